@@ -1,0 +1,48 @@
+"""`memtoc` command line: thin dispatch to the module that owns each stage.
+
+Each subcommand lives in its stage's module as ``cli(argv: list[str]) -> int`` so that the
+parsing sits next to the code it drives. Errors derived from MemtocError print one clear line
+(no traceback) and exit with status 2.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .config import MemtocError
+
+COMMANDS = {
+    "run": ("memtoc.pipeline", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml"),
+    "benchmark": ("memtoc.benchmark", "print benchmark and episode counts: memtoc benchmark [--release DIR] [--json]"),
+    "score": ("memtoc.scoring", "re-score replies offline: memtoc score IN.jsonl [-o OUT] [--matcher paper|strict]"),
+    "model": ("memtoc.models", "model registry: memtoc model prepare NAME | memtoc model list"),
+    "bench": ("memtoc.bench", "speed benchmarks: memtoc bench generation|stats [--json]"),
+    "verify": ("memtoc.claims", "re-derive every claim of a run: memtoc verify RUN_DIR"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: memtoc COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"memtoc: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[cmd][0])
+    try:
+        return int(module.cli(rest) or 0)
+    except MemtocError as e:
+        print(f"memtoc {cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

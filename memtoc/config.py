@@ -1,0 +1,186 @@
+"""Run parameters: defaults, validation with clear errors, release-dir resolution.
+
+Every notebook receives the same flat parameter dict from papermill (see ``params/*.yaml``).
+``load_params`` reads a YAML file, merges it over ``DEFAULTS`` and validates it; errors name the
+file, the field and the fix.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+FORMULATIONS: tuple[str, ...] = ("reference", "paraphrase_a", "paraphrase_b")
+PAPER_SEED = 20260721
+
+
+class MemtocError(Exception):
+    """Base class for errors meant to be read by a person (no traceback needed)."""
+
+
+class ConfigError(MemtocError):
+    """A parameter is missing, mistyped or out of range."""
+
+
+class DataError(MemtocError):
+    """Benchmark data is missing or malformed."""
+
+
+def check_choice(kind: str, value: Any, valid: Iterable[str]) -> str:
+    """Return ``value`` if it is one of ``valid``; otherwise raise a ConfigError listing them."""
+    valid = list(valid)
+    if value not in valid:
+        raise ConfigError(f"unknown {kind} {value!r}; valid {kind}s are: {', '.join(map(str, valid))}")
+    return value
+
+
+def check_choices(kind: str, values: Iterable[Any], valid: Iterable[str]) -> list[str]:
+    valid = list(valid)
+    return [check_choice(kind, v, valid) for v in values]
+
+
+def resolve_release_dir(release_dir: str | os.PathLike | None = None) -> Path:
+    """Find the benchmark release directory.
+
+    Order: the explicit argument, then ``$MEMTOC_RELEASE``, then ``../shared/memtoc-release``
+    relative to the repository root (and to the working directory).
+    """
+    tried: list[Path] = []
+    candidates: list[Path] = []
+    if release_dir:
+        candidates.append(Path(release_dir).expanduser())
+    elif os.environ.get("MEMTOC_RELEASE"):
+        candidates.append(Path(os.environ["MEMTOC_RELEASE"]).expanduser())
+    else:
+        candidates += [REPO_ROOT.parent / "shared" / "memtoc-release",
+                       Path.cwd().parent / "shared" / "memtoc-release",
+                       Path.cwd() / "../shared/memtoc-release"]
+    for c in candidates:
+        c = c if c.is_absolute() else (Path.cwd() / c)
+        tried.append(c.resolve())
+        if c.is_dir():
+            return c.resolve()
+    raise DataError(
+        "MemToC benchmark data not found; looked in: " + ", ".join(map(str, tried)) + ". "
+        "The compact release ships beside the repository as ../shared/memtoc-release; the official "
+        "MemToC release (benchmark/*.json + results/construction/...) works too. Point memtoc at it "
+        "with the parameter release_dir, `--release DIR`, or the environment variable MEMTOC_RELEASE."
+    )
+
+
+# The flat parameter set shared by every notebook.  Keep in sync with params/*.yaml and README.
+DEFAULTS: dict[str, Any] = {
+    "run_name": "default",
+    "output_root": "outputs",
+    "release_dir": None,             # None -> $MEMTOC_RELEASE -> ../shared/memtoc-release
+    "seed": PAPER_SEED,
+    # models and generation
+    "models": ["smollm2-135m-instruct"],
+    "backend": "transformers",       # transformers | vllm | openai
+    "backend_options": {},           # e.g. {"base_url": ..., "api_key": ...} for openai
+    "batch_size": "auto",
+    "dtype": "auto",
+    "max_new_tokens": 48,
+    "model_cache_dir": None,         # where `memtoc model prepare` puts safetensors (None: user cache)
+    # benchmark slice
+    "formulations": list(FORMULATIONS),
+    "n_questions": 542,              # headline analysis: closed-book + 4 core conditions
+    "n_questions_extra": 60,         # extra arms (far, payloads, noop, prompting, frames)
+    "closed_book_variant": "forced",  # forced (primary) | permissive
+    "elicit_permissive": True,       # also elicit the permissive variant (for comparison)
+    "extra_arms": ["far", "payloads", "noop", "prompting", "frames", "no_protocol_sentence"],
+    # scoring and statistics
+    "matcher": "paper",              # paper | strict
+    "n_boot": 2000,
+    "n_perm": 10000,
+    "alpha": 0.05,
+    # fine-tuning
+    "finetune": {"enabled": True},
+    # report / verification
+    "verify": True,
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
+    """Merge ``params`` over DEFAULTS and check types/ranges. Returns the resolved dict."""
+    if not isinstance(params, dict):
+        raise ConfigError(f"{source}: the parameter file must be a YAML mapping, got {type(params).__name__}")
+    unknown = sorted(set(params) - set(DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown parameter(s) {unknown}; valid parameters are: {', '.join(DEFAULTS)}")
+    p = _merge(DEFAULTS, params)
+
+    def fail(field: str, msg: str) -> None:
+        raise ConfigError(f"{source}: field {field!r}: {msg}")
+
+    if not isinstance(p["run_name"], str) or not p["run_name"] or "/" in p["run_name"]:
+        fail("run_name", "must be a non-empty name without '/' (the run directory is outputs/<run_name>)")
+    if not isinstance(p["models"], list) or not p["models"] or not all(isinstance(m, str) for m in p["models"]):
+        fail("models", "must be a non-empty list of model names or local HF paths")
+    check_choice("backend", p["backend"], ["transformers", "vllm", "openai"])
+    if not isinstance(p["formulations"], list) or not p["formulations"]:
+        fail("formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
+    try:
+        check_choices("formulation", p["formulations"], FORMULATIONS)
+    except ConfigError as e:
+        fail("formulations", str(e))
+    for field in ("n_questions", "n_questions_extra", "max_new_tokens", "n_boot", "n_perm", "seed"):
+        if not isinstance(p[field], int) or isinstance(p[field], bool) or p[field] < 0:
+            fail(field, f"must be a non-negative integer, got {p[field]!r}")
+    if p["n_questions"] < 1:
+        fail("n_questions", "must be at least 1")
+    if not (p["batch_size"] == "auto" or (isinstance(p["batch_size"], int) and p["batch_size"] > 0)):
+        fail("batch_size", "must be a positive integer or 'auto'")
+    check_choice("closed_book_variant", p["closed_book_variant"], ["forced", "permissive"])
+    check_choice("matcher", p["matcher"], ["paper", "strict"])
+    check_choice("dtype", p["dtype"], ["auto", "bfloat16", "float32", "float16"])
+    if not isinstance(p["extra_arms"], list):
+        fail("extra_arms", "must be a list")
+    check_choices("extra arm", p["extra_arms"], DEFAULTS["extra_arms"])
+    if not (0 < float(p["alpha"]) < 1):
+        fail("alpha", "must be in (0, 1)")
+    if not isinstance(p["finetune"], dict):
+        fail("finetune", "must be a mapping (see params/finetune.yaml)")
+    return p
+
+
+def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read a params YAML (or just the defaults when ``path`` is None) and validate it."""
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"parameter file {path} does not exist; the shipped ones are in params/ "
+                              f"({', '.join(sorted(p.name for p in (REPO_ROOT / 'params').glob('*.yaml')))})")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if overrides:
+        raw = _merge(raw, overrides)
+    return validate_params(raw, source)
+
+
+def run_dir(params: dict[str, Any]) -> Path:
+    """``<output_root>/<run_name>`` (relative output roots are resolved against the repo root)."""
+    root = Path(params.get("output_root") or "outputs")
+    if not root.is_absolute():
+        root = REPO_ROOT / root
+    return root / params["run_name"]
