@@ -1,0 +1,511 @@
+"""The MemToC benchmark: load the question table, QC lists and repairs; folds; question selection.
+
+Two release layouts are read:
+
+* ``compact`` (``../shared/memtoc-release``): ``questions_575.jsonl``, ``qc_lists.json``,
+  ``repair_overlay_39.json``.
+* ``official`` (the public MemToC release): ``results/construction/distractor_mapping_575.json``
+  (the frozen ``final_near`` / ``far`` values), ``benchmark/{reference,paraphrase_a,paraphrase_b}.json``
+  (episode files, which carry the real ToolHop tool schemas), the QC lists
+  (``results/quality_control/analysis_set_lists.json``) and the repair overlay
+  (``benchmark/repair_overlay*.json``). The exact shape of those files is not visible here, so the
+  reader is tolerant: a list of records or a mapping holding one, common field-name aliases, and
+  the QC/overlay files are searched for by name anywhere under the release directory.
+
+The evaluated benchmark is the table with the repair overlay applied: ``Question.near`` is the
+repaired value for the 39 REPAIR questions and ``Question.near_original`` keeps the table's value.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from .config import FORMULATIONS, PAPER_SEED, DataError, resolve_release_dir
+from .records import Question
+
+COMPACT_FILES = ("questions_575.jsonl", "qc_lists.json", "repair_overlay_39.json")
+OFFICIAL_MAPPING = Path("results/construction/distractor_mapping_575.json")
+HUMAN_SOURCES = ("dual_human_adjudication",)
+HUMAN_METHODS = ("human_authorized",)
+
+#: The paper's construction counts (MemToC release README / semantic review), for side-by-side
+#: comparison only; memtoc's own counts are always computed from the data.
+PAPER_COUNTS: dict[str, int] = {
+    "pool": 575, "analysis": 542, "excluded": 33, "repaired": 39, "pass": 503,
+    "far_pool": 463, "far_analysis": 443, "human": 149, "generated": 426, "chains": 309,
+    "fold_questions_small": 287, "fold_questions_large": 288,
+    "fold_chains_small": 154, "fold_chains_large": 155,
+    "episodes_core": 6504,
+}
+
+
+@dataclass
+class Benchmark:
+    """The loaded benchmark. ``questions`` = the 575-question pool (repair overlay applied, folds
+    set); ``analysis`` = the questions not excluded by the semantic review (542)."""
+
+    questions: list[Question]
+    release_dir: Path
+    layout: str                      # "compact" | "official"
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def analysis(self) -> list[Question]:
+        return [q for q in self.questions if not q.excluded]
+
+    @property
+    def by_qkey(self) -> dict[str, Question]:
+        return {q.qkey: q for q in self.questions}
+
+    def counts(self, episodes: bool = True) -> dict[str, Any]:
+        """Construction counts computed from the data (see ``PAPER_COUNTS`` for the paper's)."""
+        qs, an = self.questions, self.analysis
+        human = [q for q in qs if q.source in HUMAN_SOURCES or q.method in HUMAN_METHODS]
+        fold_q = Counter(q.fold for q in qs)
+        fold_c = Counter(f for f in {q.instance_id: q.fold for q in qs}.values())
+        out: dict[str, Any] = {
+            "layout": self.layout,
+            "release_dir": str(self.release_dir),
+            "pool": len(qs),
+            "analysis": len(an),
+            "excluded": sum(q.excluded for q in qs),
+            "repaired": sum(q.repaired for q in qs),
+            "repaired_in_analysis": sum(q.repaired for q in an),
+            "pass": sum((not q.excluded) and (not q.repaired) for q in qs),
+            "far_pool": sum(q.far is not None for q in qs),
+            "far_analysis": sum(q.far is not None for q in an),
+            "human": len(human),
+            "generated": len(qs) - len(human),
+            "chains": len({q.instance_id for q in qs}),
+            "chains_analysis": len({q.instance_id for q in an}),
+            "toolhop_schemas": sum(q.schema is not None for q in qs),
+            "answer_types": dict(Counter(q.gold_kind for q in qs).most_common()),
+            "answer_types_analysis": dict(Counter(q.gold_kind for q in an).most_common()),
+            "families": dict(Counter(q.family for q in qs).most_common()),
+            "families_analysis": dict(Counter(q.family for q in an).most_common()),
+            "methods": dict(Counter(q.method for q in qs).most_common()),
+            "folds_questions": {str(k): fold_q[k] for k in sorted(fold_q, key=str)},
+            "folds_chains": {str(k): fold_c[k] for k in sorted(fold_c, key=str)},
+        }
+        if episodes:
+            from .episodes import CORE_CONDITIONS, build_episodes
+            core = build_episodes(an, FORMULATIONS, CORE_CONDITIONS)
+            far = build_episodes(an, FORMULATIONS, ("tool_far",))
+            out["episodes"] = {
+                "core": len(core),
+                "core_per_formulation": dict(Counter(e.formulation for e in core)),
+                "core_per_condition": dict(Counter(e.condition for e in core)),
+                "tool_far": len(far),
+            }
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading helpers
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e}") from None
+
+
+def _records(obj: Any, path: Path, keys: Iterable[str] = ("rows", "records", "items", "data", "mapping",
+                                                           "questions", "episodes", "repairs")) -> list[dict]:
+    """A list of dict records from a JSON value: a list, a mapping holding a list, or a mapping
+    from keys to records (the key is kept as ``_key``)."""
+    if isinstance(obj, list):
+        recs = obj
+    elif isinstance(obj, dict):
+        for k in keys:
+            if isinstance(obj.get(k), list):
+                recs = obj[k]
+                break
+        else:
+            vals = [v for v in obj.values() if isinstance(v, dict)]
+            if not vals:
+                raise DataError(f"{path}: expected a list of records (or a mapping holding one)")
+            recs = [dict(v, _key=k) for k, v in obj.items() if isinstance(v, dict)]
+    else:
+        raise DataError(f"{path}: expected a list of records, got {type(obj).__name__}")
+    for i, r in enumerate(recs):
+        if not isinstance(r, dict):
+            raise DataError(f"{path}: record {i} is a {type(r).__name__}, expected a JSON object")
+    return recs
+
+
+def _get(rec: dict, names: Iterable[str], default: Any = KeyError) -> Any:
+    for n in names:
+        if n in rec:
+            return rec[n]
+    if default is KeyError:
+        raise KeyError(tuple(names)[0])
+    return default
+
+
+def qkey_of(text: str) -> str:
+    """The release's qkey recipe (lowercase, delete everything but a-z, 0-9 and spaces, collapse
+    spaces). Only for data that lacks a qkey: keys are otherwise always taken from the data."""
+    return re.sub(r"\s+", " ", re.sub(r"[^a-z0-9\s]", "", text.lower())).strip()
+
+
+_ALIASES = {
+    "id": ("id", "question_id"),
+    "instance_id": ("instance_id", "instance", "chain_id"),
+    "hop_idx": ("hop_idx", "hop", "hop_index"),
+    "qkey": ("qkey",),
+    "question": ("question", "question_text"),
+    "gold": ("gold_answer", "gold", "answer"),
+    "gold_kind": ("gold_kind", "answer_type", "kind"),
+    "family": ("family", "question_family"),
+    "near": ("final_near", "near", "near_distractor", "distractor"),
+    "far": ("far", "far_distractor", "final_far"),
+    "source": ("source",),
+    "method": ("method",),
+    "validation_status": ("validation_status",),
+}
+
+
+def _question_from_row(row: dict, where: str, schema: Optional[dict] = None) -> Question:
+    """Build a Question from a table row; a missing or mistyped field raises a DataError naming
+    ``where`` (file and line) and the field."""
+
+    def need(key: str, kind: type, allow_none: bool = False, allow_empty: bool = False):
+        try:
+            v = _get(row, _ALIASES[key])
+        except KeyError:
+            raise DataError(f"{where}: missing field {_ALIASES[key][0]!r} "
+                            f"(accepted names: {', '.join(_ALIASES[key])})") from None
+        if v is None and allow_none:
+            return None
+        if kind is int and isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise DataError(f"{where}: field {_ALIASES[key][0]!r} must be a {kind.__name__}"
+                            f"{' or null' if allow_none else ''}, got {v!r}")
+        if kind is str and not allow_empty and not v.strip():
+            raise DataError(f"{where}: field {_ALIASES[key][0]!r} is empty")
+        return v
+
+    instance_id = need("instance_id", int)
+    hop_idx = need("hop_idx", int)
+    question = need("question", str)
+    qkey = _get(row, _ALIASES["qkey"], None)
+    if qkey is None:
+        qkey = qkey_of(question)
+    elif not isinstance(qkey, str) or not qkey.strip():
+        raise DataError(f"{where}: field 'qkey' must be a non-empty string, got {qkey!r}")
+    qid = _get(row, _ALIASES["id"], None) or f"{instance_id}.{hop_idx}"
+    near = need("near", str)
+    far = need("far", str, allow_none=True)
+    if far is not None and not far.strip():
+        far = None
+    return Question(
+        id=str(qid), instance_id=instance_id, hop_idx=hop_idx, qkey=qkey, question=question,
+        gold=need("gold", str), gold_kind=need("gold_kind", str),
+        family=str(_get(row, _ALIASES["family"], "") or "unknown"),
+        near=near, near_original=near, far=far,
+        source=str(_get(row, _ALIASES["source"], "") or ""),
+        method=str(_get(row, _ALIASES["method"], "") or ""),
+        validation_status=str(_get(row, _ALIASES["validation_status"], "") or ""),
+        schema=schema,
+    )
+
+
+def read_question_table(path: Path) -> list[Question]:
+    """Read ``questions_575.jsonl``; malformed rows raise a DataError naming file, line and field."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            out.append(_question_from_row(row, where))
+    if not out:
+        raise DataError(f"{path}: no questions in the file")
+    return out
+
+
+def _read_qc(path: Path) -> tuple[list[str], list[str]]:
+    obj = _read_json(path)
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: expected a JSON object with 'exclude_qkeys' and 'repair_qkeys'")
+    out = []
+    for key in ("exclude_qkeys", "repair_qkeys"):
+        v = obj.get(key)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise DataError(f"{path}: field {key!r} must be a list of qkey strings")
+        out.append(v)
+    return out[0], out[1]
+
+
+def _read_overlay(path: Path) -> dict[str, dict]:
+    obj = _read_json(path)
+    if isinstance(obj, dict) and obj and all(isinstance(v, str) for v in obj.values()):
+        return {k: {"qkey": k, "new_near": v} for k, v in obj.items()}
+    out = {}
+    for i, r in enumerate(_records(obj, path)):
+        qkey = r.get("qkey", r.get("_key"))
+        new = _get(r, ("new_near", "near", "final_near", "replacement"), None)
+        if not isinstance(qkey, str) or not isinstance(new, str) or not new.strip():
+            raise DataError(f"{path}: record {i}: needs a 'qkey' and a non-empty 'new_near'")
+        out[qkey] = r | {"qkey": qkey, "new_near": new}
+    return out
+
+
+def _apply_qc(questions: list[Question], exclude: list[str], repair: list[str],
+              overlay: dict[str, dict], files: dict[str, str]) -> list[Question]:
+    keys = {q.qkey for q in questions}
+    for name, lst, src in (("exclude_qkeys", exclude, files["qc"]), ("repair_qkeys", repair, files["qc"]),
+                           ("repair overlay", list(overlay), files["overlay"])):
+        missing = [k for k in lst if k not in keys]
+        if missing:
+            raise DataError(f"{src}: {len(missing)} {name} entries match no question of the table "
+                            f"(first: {missing[0]!r}); the QC files and the table are from different releases")
+    if set(repair) != set(overlay):
+        raise DataError(f"{files['overlay']}: the overlay covers {len(overlay)} qkeys but {files['qc']} lists "
+                        f"{len(repair)} repair_qkeys; they must be the same set")
+    ex = set(exclude)
+    out = []
+    for q in questions:
+        rep = overlay.get(q.qkey)
+        if rep is not None:
+            old = rep.get("old_near")
+            if isinstance(old, str) and old != q.near_original:
+                raise DataError(f"{files['overlay']}: qkey {q.qkey!r}: old_near {old!r} differs from the "
+                                f"table's near value {q.near_original!r}")
+            q = replace(q, near=rep["new_near"], repaired=True)
+        out.append(replace(q, excluded=q.qkey in ex))
+    return out
+
+
+def _with_folds(questions: list[Question], seed: int = PAPER_SEED) -> list[Question]:
+    folds = assign_folds(questions, seed)
+    return [replace(q, fold=folds[q.instance_id]) for q in questions]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts
+
+def _load_compact(root: Path) -> Benchmark:
+    paths = {name: root / name for name in COMPACT_FILES}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise DataError(f"release directory {root} lacks {', '.join(missing)}; expected the compact "
+                        f"layout ({', '.join(COMPACT_FILES)}) or the official one ({OFFICIAL_MAPPING} + "
+                        "benchmark/*.json)")
+    files = {"table": str(paths["questions_575.jsonl"]), "qc": str(paths["qc_lists.json"]),
+             "overlay": str(paths["repair_overlay_39.json"])}
+    qs = read_question_table(paths["questions_575.jsonl"])
+    exclude, repair = _read_qc(paths["qc_lists.json"])
+    overlay = _read_overlay(paths["repair_overlay_39.json"])
+    qs = _apply_qc(qs, exclude, repair, overlay, files)
+    return Benchmark(questions=_with_folds(qs), release_dir=root, layout="compact", files=files)
+
+
+_EPISODE_ID = re.compile(r"^(\d+)-(\d+)-([a-z_]+)-v(\d+)$")
+
+
+def _episode_schemas(root: Path, files: dict[str, str]) -> tuple[dict[tuple[int, int], dict], dict[tuple[int, int], dict]]:
+    """ToolHop schemas (and question fields) per (instance, hop) from the official episode files."""
+    schemas: dict[tuple[int, int], dict] = {}
+    fields: dict[tuple[int, int], dict] = {}
+    for form in FORMULATIONS:
+        path = next((p for p in (root / "benchmark" / f"{form}.json", root / "benchmark" / f"{form}.jsonl")
+                     if p.is_file()), None)
+        if path is None:
+            continue
+        files[f"episodes_{form}"] = str(path)
+        if path.suffix == ".jsonl":
+            recs = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+        else:
+            recs = _records(_read_json(path), path)
+        for i, ep in enumerate(recs):
+            inst, hop = ep.get("instance_id", ep.get("instance")), ep.get("hop_idx", ep.get("hop"))
+            if inst is None or hop is None:
+                m = _EPISODE_ID.match(str(ep.get("episode_id", "")))
+                if not m:
+                    raise DataError(f"{path}: episode {i}: needs 'instance_id' and 'hop_idx' or an episode_id "
+                                    "like '12-0-tool_right-v0'")
+                inst, hop = m.group(1), m.group(2)
+            key = (int(inst), int(hop))
+            sch = _get(ep, ("tool_schema", "schema", "tool"), None)
+            if isinstance(sch, str):
+                try:
+                    sch = json.loads(sch)
+                except json.JSONDecodeError:
+                    sch = None
+            if isinstance(sch, dict) and key not in schemas:
+                schemas[key] = sch
+            fields.setdefault(key, {})
+            for k in ("question", "gold_answer", "gold", "answer", "qkey", "gold_kind", "family"):
+                if k in ep and ep[k] is not None:
+                    fields[key].setdefault(k, ep[k])
+    return schemas, fields
+
+
+def _find_one(root: Path, patterns: Iterable[str]) -> Optional[Path]:
+    for pat in patterns:
+        hits = sorted(p for p in root.rglob(pat) if p.is_file())
+        if hits:
+            return hits[0]
+    return None
+
+
+def _load_official(root: Path) -> Benchmark:
+    mpath = root / OFFICIAL_MAPPING
+    files = {"table": str(mpath)}
+    schemas, ep_fields = _episode_schemas(root, files)
+    rows = _records(_read_json(mpath), mpath)
+    qs = []
+    for i, row in enumerate(rows):
+        where = f"{mpath}, record {i}"
+        row = dict(row)
+        if "instance_id" not in row and "instance" not in row:
+            # ids like "12.0" or "12-0"
+            m = re.match(r"^(\d+)[.-](\d+)$", str(row.get("id", row.get("_key", ""))))
+            if m:
+                row["instance_id"], row["hop_idx"] = int(m.group(1)), int(m.group(2))
+        try:
+            key = (int(_get(row, _ALIASES["instance_id"])), int(_get(row, _ALIASES["hop_idx"])))
+        except (KeyError, TypeError, ValueError):
+            key = None
+        if key is not None:
+            for k, v in ep_fields.get(key, {}).items():
+                row.setdefault(k, v)
+        qs.append(_question_from_row(row, where, schema=schemas.get(key) if key else None))
+    qc = _find_one(root, ("analysis_set_lists*.json", "qc_lists*.json"))
+    overlay = _find_one(root, ("repair_overlay*.json",))
+    if qc is None or overlay is None:
+        raise DataError(f"official release at {root}: could not find "
+                        + " and ".join(n for n, p in (("the QC lists (results/quality_control/analysis_set_lists.json)", qc),
+                                                     ("the repair overlay (benchmark/repair_overlay*.json)", overlay)) if p is None)
+                        + "; they define the 542-question analysis set and the 39 repaired near values")
+    files.update(qc=str(qc), overlay=str(overlay))
+    exclude, repair = _read_qc(qc)
+    qs = _apply_qc(qs, exclude, repair, _read_overlay(overlay), files)
+    return Benchmark(questions=_with_folds(qs), release_dir=root, layout="official", files=files)
+
+
+def load_benchmark(release_dir=None) -> Benchmark:
+    """Load the benchmark from ``release_dir`` (default: ``$MEMTOC_RELEASE``, then
+    ``../shared/memtoc-release``), detecting the compact or the official layout."""
+    root = resolve_release_dir(release_dir)
+    if (root / OFFICIAL_MAPPING).is_file():
+        return _load_official(root)
+    return _load_compact(root)
+
+
+# ----------------------------------------------------------------------------------------------
+# Folds and selection
+
+def assign_folds(questions: Iterable[Question], seed: int = PAPER_SEED) -> dict[int, int]:
+    """Two chain-level cross-fitting folds: ``{instance_id: 0 | 1}``.
+
+    Chains are shuffled with ``random.Random(seed)`` and split in half by chain count (the extra
+    chain of an odd count goes to fold 1); then, while the question counts differ by more than one,
+    the swap of one chain from the larger fold with one from the smaller fold that best reduces the
+    difference is made (ties: first in shuffled order). Chain counts stay balanced, no chain is in
+    both folds, and the result depends only on the chains and the seed (not on input order).
+    On the 575 pool this gives 287/288 questions from 154/155 chains, like the paper's folds.
+    """
+    sizes = Counter(q.instance_id for q in questions)
+    chains = sorted(sizes)
+    random.Random(seed).shuffle(chains)
+    half = len(chains) // 2
+    folds = [chains[:half], chains[half:]]
+    tot = [sum(sizes[c] for c in f) for f in folds]
+    while abs(tot[0] - tot[1]) > 1:
+        big, small = (0, 1) if tot[0] > tot[1] else (1, 0)
+        diff = tot[big] - tot[small]
+        best = None
+        for i, a in enumerate(folds[big]):
+            for j, b in enumerate(folds[small]):
+                d = sizes[a] - sizes[b]
+                if 0 < d and abs(diff - 2 * d) < diff and (best is None or abs(diff - 2 * d) < best[0]):
+                    best = (abs(diff - 2 * d), i, j, d)
+        if best is None:
+            break
+        _, i, j, d = best
+        folds[big][i], folds[small][j] = folds[small][j], folds[big][i]
+        tot[big] -= d
+        tot[small] += d
+    return {c: k for k in (0, 1) for c in folds[k]}
+
+
+def select_questions(questions: Iterable[Question], n: int, seed: int = PAPER_SEED) -> list[Question]:
+    """``n`` questions, deterministic for ``seed``, stratified by ``gold_kind`` and nested.
+
+    Each answer type's questions (sorted by id) are shuffled with ``random.Random(f"{seed}|{kind}")``;
+    the types are then interleaved so that every prefix keeps the pool's proportions as closely as
+    possible (at each step the type furthest below its quota is drawn; ties by type name). The
+    selection is the first ``n`` of that order, so a smaller selection is a prefix of a larger one.
+    ``n`` at or above the pool size returns the whole pool (in selection order).
+    """
+    pool = sorted(questions, key=lambda q: (q.instance_id, q.hop_idx, q.id))
+    by_kind: dict[str, list[Question]] = {}
+    for q in pool:
+        by_kind.setdefault(q.gold_kind, []).append(q)
+    for kind, lst in by_kind.items():
+        random.Random(f"{seed}|{kind}").shuffle(lst)
+    total = len(pool)
+    taken = {k: 0 for k in by_kind}
+    order: list[Question] = []
+    for step in range(1, min(n, total) + 1):
+        kind = max((k for k in sorted(by_kind) if taken[k] < len(by_kind[k])),
+                   key=lambda k: (step * len(by_kind[k]) / total - taken[k], -sorted(by_kind).index(k)))
+        order.append(by_kind[kind][taken[kind]])
+        taken[kind] += 1
+    return order
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+def _format_counts(c: dict[str, Any]) -> str:
+    lines = [f"MemToC benchmark ({c['layout']} layout) at {c['release_dir']}"]
+    paper = PAPER_COUNTS
+    for key, label in (("pool", "construction pool"), ("analysis", "analysis set"), ("pass", "PASS"),
+                       ("repaired", "REPAIR (near value replaced)"), ("excluded", "EXCLUDE"),
+                       ("far_pool", "far value (pool)"), ("far_analysis", "far value (analysis set)"),
+                       ("human", "human-authored distractors"), ("generated", "generator-built distractors"),
+                       ("chains", "chains (ToolHop instances)")):
+        lines.append(f"  {label:<32} {c[key]:>6}   (paper {paper.get(key, '-')})")
+    lines.append(f"  {'folds: questions':<32} {c['folds_questions']}   chains {c['folds_chains']}")
+    lines.append("  answer types (pool): " + ", ".join(f"{k} {v}" for k, v in c["answer_types"].items()))
+    lines.append("  families (pool):     " + ", ".join(f"{k} {v}" for k, v in c["families"].items()))
+    if "episodes" in c:
+        e = c["episodes"]
+        lines.append(f"  {'evaluation episodes (core)':<32} {e['core']:>6}   (paper {paper['episodes_core']}) = "
+                     f"{c['analysis']} questions x {len(e['core_per_condition'])} conditions x "
+                     f"{len(e['core_per_formulation'])} formulations")
+        lines.append(f"  {'tool_far episodes':<32} {e['tool_far']:>6}")
+    return "\n".join(lines)
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="memtoc benchmark", description="print benchmark and episode counts")
+    ap.add_argument("--release", default=None, help="release directory (default: $MEMTOC_RELEASE or ../shared/memtoc-release)")
+    ap.add_argument("--json", action="store_true", help="print the counts as JSON")
+    args = ap.parse_args(argv)
+    bench = load_benchmark(args.release)
+    counts = bench.counts()
+    if args.json:
+        print(json.dumps({"counts": counts, "paper": PAPER_COUNTS}, indent=1, ensure_ascii=False))
+    else:
+        print(_format_counts(counts))
+    return 0
