@@ -1,0 +1,142 @@
+"""Append-only JSONL generation cache.
+
+One file per (model, arm): ``generations/<model_label>/<arm_key>.jsonl``. Each line is one reply:
+
+    {"key": ..., "prompt_sha256": ..., "text": ..., "n_prompt_tokens": ..., "n_new_tokens": ...,
+     "seconds": ..., "finish": ..., "identity_sha256": ..., "time": ...}
+
+``key`` = sha256 of (generator identity, prompt, decoding settings) — see :func:`request_key`. The
+generator looks every request up by key before generating, and appends each finished batch at once
+(write + flush + fsync), so a killed run loses at most the batch in flight and a rerun skips the
+rest. A truncated last line (a kill in the middle of a write) is ignored with a warning when
+reading and cut off before the next append.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+from .config import MemtocError
+
+
+class CacheError(MemtocError):
+    """A cache file is corrupt beyond a truncated last line."""
+
+
+def sha256_text(s: str) -> str:
+    return hashlib.sha256(s.encode("utf-8")).hexdigest()
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+def identity_hash(identity: dict) -> str:
+    return sha256_text(canonical_json(identity))
+
+
+def request_key(identity: dict, prompt: str | list[dict]) -> str:
+    """Cache key of one request: sha256 over the generator identity (model, weights hash, adapter
+    hash, decoding settings, backend) and the prompt (a user-turn string or a message list)."""
+    return sha256_text(canonical_json({"identity": identity, "prompt": prompt}))
+
+
+def _scan(path: Path) -> tuple[list[dict], int]:
+    """Parse a cache file. Returns (records, byte offset of the end of the last complete line)."""
+    data = path.read_bytes()
+    records: list[dict] = []
+    good_end = 0
+    pos = 0
+    n = len(data)
+    lineno = 0
+    while pos < n:
+        nl = data.find(b"\n", pos)
+        lineno += 1
+        if nl == -1:  # no newline: the last write was cut off
+            tail = data[pos:]
+            try:
+                records.append(json.loads(tail))  # complete JSON, just missing its newline
+                good_end = n
+                warnings.warn(f"{path}: last line has no newline; kept it (it parses)", stacklevel=3)
+            except ValueError:
+                warnings.warn(f"{path}: ignoring a truncated last line ({len(tail)} bytes; "
+                              "a run was killed while writing); it is removed on the next append",
+                              stacklevel=3)
+            break
+        line = data[pos:nl].strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except ValueError as e:
+                if data[nl + 1:].strip():
+                    raise CacheError(f"{path}: line {lineno} is not valid JSON ({e}) and is not the "
+                                     "last line; the file was edited or corrupted — move it aside to "
+                                     "regenerate those replies") from None
+                warnings.warn(f"{path}: ignoring a truncated last line {lineno}", stacklevel=3)
+                break
+        pos = nl + 1
+        good_end = pos
+    return records, good_end
+
+
+def read_cache(path: str | os.PathLike) -> dict[str, dict]:
+    """All complete records of a cache file by key (later lines win). Missing file: empty dict."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    records, _ = _scan(path)
+    out: dict[str, dict] = {}
+    for r in records:
+        if isinstance(r, dict) and "key" in r:
+            out[r["key"]] = r
+    return out
+
+
+def append_records(path: str | os.PathLike, records: Iterable[dict]) -> None:
+    """Append records as JSON lines and fsync. Repairs a truncated tail first."""
+    path = Path(path)
+    records = list(records)
+    if not records:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:
+        _, good_end = _scan(path)
+        size = path.stat().st_size
+        if good_end < size:
+            with open(path, "r+b") as f:
+                f.truncate(good_end)
+                f.flush()
+                os.fsync(f.fileno())
+        elif not path.read_bytes()[-1:] == b"\n":
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    with open(path, "ab") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sibling_lookup(path: str | os.PathLike) -> dict[str, dict]:
+    """Records of every ``*.jsonl`` cache in the same folder (one model), by key.
+
+    Used so that an identical request cached under another arm file (e.g. the no_tool episodes,
+    whose prompt is the forced closed-book prompt) is reused instead of regenerated.
+    """
+    path = Path(path)
+    out: dict[str, dict] = {}
+    if not path.parent.is_dir():
+        return out
+    for p in sorted(path.parent.glob("*.jsonl")):
+        if p == path:
+            continue
+        try:
+            out.update(read_cache(p))
+        except CacheError as e:
+            warnings.warn(f"skipping unreadable sibling cache: {e}", stacklevel=2)
+    out.update(read_cache(path))
+    return out
