@@ -189,7 +189,7 @@ def _question_from_row(row: dict, where: str, schema: Optional[dict] = None) -> 
         if kind is int and isinstance(v, str) and v.strip().isdigit():
             v = int(v)
         if not isinstance(v, kind) or isinstance(v, bool):
-            raise DataError(f"{where}: field {_ALIASES[key][0]!r} must be a {kind.__name__}"
+            raise DataError(f"{where}: field {_ALIASES[key][0]!r} must be {'an integer' if kind is int else 'a string'}"
                             f"{' or null' if allow_none else ''}, got {v!r}")
         if kind is str and not allow_empty and not v.strip():
             raise DataError(f"{where}: field {_ALIASES[key][0]!r} is empty")

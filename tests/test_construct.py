@@ -1,0 +1,128 @@
+"""Construction: QC checks, the non-entity generator vs the frozen table, ToolHop flattening."""
+import json
+import random
+
+import pytest
+
+from memtoc import construct as cs
+from memtoc.benchmark import load_benchmark
+from memtoc.config import DataError, resolve_release_dir
+from memtoc.records import Question
+
+
+def _q(**kw):
+    d = dict(id="1.0", instance_id=1, hop_idx=0, qkey="k", question="When?", gold="1950", gold_kind="year",
+             family="free_form", near="1955", near_original="1955", far="1700")
+    d.update(kw)
+    return Question(**d)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    try:
+        return load_benchmark(resolve_release_dir(None))
+    except DataError:
+        pytest.skip("release data not available")
+
+
+def test_qc_checks_catch_each_failure():
+    assert cs.qc_checks(_q()) == []
+    assert "near_empty" in cs.qc_checks(_q(near=" "))
+    assert "near_equals_gold" in cs.qc_checks(_q(near="1950 "))
+    assert "near_equals_far" in cs.qc_checks(_q(near="1700"))
+    assert "far_equals_gold" in cs.qc_checks(_q(far="1950"))
+    assert "near_type_mismatch" in cs.qc_checks(_q(near="Paris"))
+    assert "far_type_mismatch" in cs.qc_checks(_q(gold_kind="date", gold="3 March 1950", near="4 March 1950", far="1700"))
+    assert cs.qc_checks(_q(gold_kind="timezone", gold="Europe/Paris", near="Europe/Rome", far="Asia/Tokyo")) == []
+    assert "near_type_mismatch" in cs.qc_checks(_q(gold_kind="timezone", gold="Europe/Paris", near="Rome", far=None))
+    assert cs.qc_checks(_q(gold_kind="person", gold="Ann", near="Bob", far=None)) == []
+
+
+def test_qc_report_on_the_table(bench):
+    r = cs.qc_report(bench.questions)
+    assert r["n_questions"] == 575
+    # the released table passes its own programmatic QC, on both the original and repaired near values
+    assert r["n_failed_evaluated"] == 0 and r["n_failed_original"] == 0, r["failures"][:5]
+
+
+def test_generator_protocol_example():
+    g = cs.nonentity_distractors("jewel staite also stars with alan dale in a scifi tv film released in what year",
+                                 "2011", "year")
+    assert (g["near"], g["far"], g["flags"]) == ("2023", "1832", [])
+
+
+def test_generator_rng_order_near_then_far():
+    rng = random.Random("20260721|some question")
+    near, _ = cs.generate_nonentity("1 March 1900", "date", rng, "near")
+    far, _ = cs.generate_nonentity("1 March 1900", "date", rng, "far")
+    g = cs.nonentity_distractors("some question", "1 March 1900", "date")
+    assert (g["near"], g["far"]) == (near, far)
+    # far drawn on a fresh rng differs from far drawn after near: the draw order matters
+    far_fresh, _ = cs.generate_nonentity("1 March 1900", "date", random.Random("20260721|some question"), "far")
+    assert far_fresh != far
+
+
+def test_generator_reproduces_the_frozen_table(bench):
+    rep = cs.reproduce_nonentity(bench.questions)
+    gen = rep["generator_branch"]
+    assert gen["near"]["n"] == 173  # 44 years + 111 dates + 18 time zones
+    # measured: every frozen near and far value of the generator branch is reproduced
+    assert gen["both"]["share"] == 1.0, rep["mismatches"][:5]
+    for kind, n in (("year", 44), ("date", 111), ("timezone", 18)):
+        assert rep["by_kind"][kind]["both"] == {"n": n, "reproduced": n, "share": 1.0}
+
+
+def test_generator_detects_a_wrong_seed(bench):
+    rep = cs.reproduce_nonentity(bench.questions, seed=1)
+    assert rep["generator_branch"]["near"]["share"] < 0.5
+
+
+def test_date_formats_and_flags():
+    assert cs.parse_date("1950-03-03")[1] == "iso"
+    assert cs.parse_date("3 March 1950")[1] == "dmy"
+    assert cs.parse_date("March 3,1950")[1] == "mdy"
+    assert cs.parse_date("May 1673")[1] == "my"
+    assert cs.parse_date("Sept 3, 1950") is None and cs.parse_date("31 February 1950") is None
+    g = cs.nonentity_distractors("q", "May 1673", "date")
+    assert g["near"] and len(g["near"].split()) == 2  # month-year keeps its format
+    assert cs.nonentity_distractors("q", "Paris", "person")["flags"] == ["unsupported_kind:person"] * 2
+    assert cs.nonentity_distractors("q", "c. 1950", "year")["flags"] == ["year_unparsed"] * 2
+    tz = cs.nonentity_distractors("q", "Pacific/Auckland", "timezone")
+    assert tz["flags"] == ["tz_fallback_region"] and not tz["far"].startswith("Pacific/")
+
+
+TOOLHOP = [
+    {"id": 0, "question": "Where was the father of X born?", "answer": "Lyon",
+     "sub_task": {"Who is the father of X?": "Jean X", "Where was Jean X born?": "Lyon"},
+     "tools": [{"name": "father_finder"}, {"name": "birthplace_finder"}]},
+    {"id": 1, "question": "How many letters are in the first name of the father of X?", "answer": "4",
+     "sub_task": [{"question": "Who is the father of X?", "answer": "Jean X"},
+                  {"question": "What is the first name of Jean X?", "answer": "Jean"},
+                  {"question": "How many letters are in Jean?", "answer": "4"}]},
+    {"id": 2, "question": "Is Y older than Z?", "answer": "yes",
+     "sub_task": [{"question": "When was Y born?", "answer": "1 May 1901"},
+                  {"question": "Is Y older than Z?", "answer": "Yes"},
+                  {"question": "", "answer": "x"}]},
+]
+
+
+def test_toolhop_flatten_dedup_filter(tmp_path):
+    p = tmp_path / "ToolHop.json"
+    p.write_text(json.dumps(TOOLHOP))
+    subs, counts = cs.flatten_toolhop(p)
+    assert counts == {"chains": 3, "sub_questions": 7, "skipped_malformed": 1}
+    assert subs[0].schema == {"name": "father_finder"} and subs[0].qkey == "who is the father of x"
+    kept, counts = cs.toolhop_pool(p)
+    assert counts["after_dedup"] == 6 and counts["duplicates_removed"] == 1
+    assert [s.question for s in kept] == ["Who is the father of X?", "Where was Jean X born?",
+                                          "What is the first name of Jean X?", "When was Y born?"]
+    assert counts["after_factual_filter"] == 4 and counts["chains_kept"] == 3
+
+
+def test_toolhop_bad_input(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        cs.flatten_toolhop(tmp_path / "missing.json")
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps([{"id": 0, "question": "q"}]))
+    with pytest.raises(DataError, match="chain 0 has no sub-questions"):
+        cs.flatten_toolhop(p)
