@@ -1,0 +1,363 @@
+"""Cells, the metric set, pooling over formulations and common support (PROTOCOL.md §5-§6).
+
+A scored DataFrame has one row per episode with at least the columns
+``qkey, condition, cell, followed_tool, kept_memory, outcome, final_correct, abstain``
+(plus ``formulation`` and the grouping columns for :func:`summarize`).
+
+Metric definitions (condition / cell filter / numerator); every rate is NaN for an empty
+denominator (never 0):
+
+=============  ===========================  ======================  ==================================
+metric         condition                    cell                    numerator
+=============  ===========================  ======================  ==================================
+retention      tool_wrong                   arb                     outcome == "kept_memory" (both out)
+keep_flag      tool_wrong                   arb                     kept_memory (includes both; legacy)
+cra_arb        tool_wrong                   arb                     final_correct
+tool_follow    tool_right                   tool_gold               followed_tool
+wrong_follow   tool_wrong                   both_wrong              followed_tool
+bw_gold        tool_wrong                   both_wrong              final_correct
+err_abstain    tool_error                   all (incl. mem_absent)  abstain
+cra_conflict   tool_wrong + tool_right      arb + tool_gold         final_correct
+agree_acc      tool_right                   agree                   final_correct
+nc_acc         tool_right                   tool_gold               final_correct (the paper's nc_CRA)
+=============  ===========================  ======================  ==================================
+
+``cra_conflict`` pools the two genuine conflict cells: memory right / tool wrong (tool_wrong, arb)
+and memory wrong / tool right (tool_right, tool_gold). tool_error episodes are not conflicts and
+are left out. Cell sizes: n_arb / n_both_wrong (tool_wrong), n_tool_gold / n_agree (tool_right),
+n_err (all tool_error episodes), n_mem_absent (questions whose memory is absent), n_both_in_arb.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+import pandas as pd
+
+from .config import DataError, FORMULATIONS
+from . import stats as _stats
+
+CELLS = ("agree", "arb", "tool_gold", "both_wrong", "mem_absent")
+REQUIRED_COLUMNS = ("qkey", "condition", "cell", "followed_tool", "kept_memory", "outcome",
+                    "final_correct", "abstain")
+
+
+def assign_cell(memory_correct: Optional[bool], mem_absent: bool, tool_correct: Optional[bool]) -> Optional[str]:
+    """Cell of an episode (PROTOCOL §5): None when tool_correct is None (no_tool / noop);
+    "mem_absent" when the memory was not elicited; else agree / arb / tool_gold / both_wrong by
+    (memory_correct, tool_correct)."""
+    if tool_correct is None or _isna(tool_correct):
+        return None
+    if bool(mem_absent):
+        return "mem_absent"
+    if memory_correct is None or _isna(memory_correct):
+        raise ValueError("assign_cell: memory_correct is None but mem_absent is False; "
+                         "memory_status() gives memory_correct=None only for an absent memory")
+    mc, tc = bool(memory_correct), bool(tool_correct)
+    return {(True, True): "agree", (True, False): "arb",
+            (False, True): "tool_gold", (False, False): "both_wrong"}[(mc, tc)]
+
+
+def _isna(x: Any) -> bool:
+    try:
+        return bool(pd.isna(x))
+    except (TypeError, ValueError):
+        return False
+
+
+Flag = Union[str, tuple, Callable[[pd.DataFrame], pd.Series]]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    conditions: tuple[str, ...]
+    cells: Optional[tuple[str, ...]]    # None: every episode of the condition(s)
+    flag: Flag                          # column name, (column, value) or callable
+
+
+RATE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("retention", ("tool_wrong",), ("arb",), ("outcome", "kept_memory")),
+    MetricSpec("keep_flag", ("tool_wrong",), ("arb",), "kept_memory"),
+    MetricSpec("cra_arb", ("tool_wrong",), ("arb",), "final_correct"),
+    MetricSpec("tool_follow", ("tool_right",), ("tool_gold",), "followed_tool"),
+    MetricSpec("wrong_follow", ("tool_wrong",), ("both_wrong",), "followed_tool"),
+    MetricSpec("bw_gold", ("tool_wrong",), ("both_wrong",), "final_correct"),
+    MetricSpec("err_abstain", ("tool_error",), None, "abstain"),
+    MetricSpec("cra_conflict", ("tool_wrong", "tool_right"), None, "final_correct"),
+    MetricSpec("agree_acc", ("tool_right",), ("agree",), "final_correct"),
+    MetricSpec("nc_acc", ("tool_right",), ("tool_gold",), "final_correct"),
+)
+METRIC_NAMES = tuple(m.name for m in RATE_METRICS)
+SPECS = {m.name: m for m in RATE_METRICS}
+SIZE_NAMES = ("n_arb", "n_tool_gold", "n_both_wrong", "n_agree", "n_mem_absent", "n_err", "n_both_in_arb")
+
+
+def _as_tuple(x: Union[None, str, Iterable[str]]) -> Optional[tuple[str, ...]]:
+    if x is None:
+        return None
+    return (x,) if isinstance(x, str) else tuple(x)
+
+
+def _bool(s: pd.Series) -> np.ndarray:
+    return s.astype(object).where(s.notna(), False).astype(bool).to_numpy()
+
+
+def flag_values(df: pd.DataFrame, flag: Flag) -> np.ndarray:
+    """0/1 values of a flag: a boolean column name, a (column, value) equality, or a callable."""
+    if callable(flag):
+        return _bool(pd.Series(flag(df), index=df.index))
+    if isinstance(flag, tuple):
+        col, val = flag
+        return (df[col] == val).fillna(False).to_numpy(bool)
+    return _bool(df[flag])
+
+
+def _mask(df: pd.DataFrame, spec: MetricSpec) -> np.ndarray:
+    m = df["condition"].isin(spec.conditions).to_numpy().copy()
+    if spec.name == "cra_conflict":
+        m = (((df["condition"] == "tool_wrong") & (df["cell"] == "arb"))
+             | ((df["condition"] == "tool_right") & (df["cell"] == "tool_gold"))).to_numpy()
+    elif spec.cells is not None:
+        m &= df["cell"].isin(spec.cells).to_numpy()
+    return m
+
+
+def subset(df: pd.DataFrame, condition: Union[str, Iterable[str]], cell: Union[None, str, Iterable[str]] = None
+           ) -> pd.DataFrame:
+    """Episodes of the given condition(s), restricted to the given cell(s) (None: all cells)."""
+    m = df["condition"].isin(_as_tuple(condition))
+    cells = _as_tuple(cell)
+    if cells is not None:
+        m &= df["cell"].isin(cells)
+    return df[m]
+
+
+def rate(df: pd.DataFrame, condition: Union[str, Iterable[str]], cell: Union[None, str, Iterable[str]],
+         flag: Flag) -> float:
+    """Mean of ``flag`` over the episodes of ``condition`` in ``cell`` (None: all cells); NaN when
+    there are none. ``flag``: a boolean column name ("followed_tool"), a (column, value) pair
+    (("outcome", "kept_memory") for retention), or a callable df -> bool Series. Use it for other
+    arms with the same code, e.g. ``rate(far_df, "tool_wrong", "arb", ("outcome", "kept_memory"))``
+    or ``rate(noop_df, "noop", None, "final_correct")``."""
+    sub = subset(df, condition, cell)
+    if len(sub) == 0:
+        return float("nan")
+    return float(flag_values(sub, flag).mean())
+
+
+def check_columns(df: pd.DataFrame, needed: Sequence[str] = REQUIRED_COLUMNS, what: str = "scored DataFrame") -> None:
+    missing = [c for c in needed if c not in df.columns]
+    if missing:
+        raise DataError(f"{what} lacks column(s) {missing}; it needs {list(needed)} "
+                        "(evaluation.evaluate() returns them)")
+
+
+def _sizes(df: pd.DataFrame) -> dict[str, int]:
+    cond, cell = df["condition"], df["cell"]
+    tw, tr = cond == "tool_wrong", cond == "tool_right"
+    arb = tw & (cell == "arb")
+    return {
+        "n_arb": int(arb.sum()),
+        "n_tool_gold": int((tr & (cell == "tool_gold")).sum()),
+        "n_both_wrong": int((tw & (cell == "both_wrong")).sum()),
+        "n_agree": int((tr & (cell == "agree")).sum()),
+        "n_mem_absent": int(df.loc[cell == "mem_absent", "qkey"].nunique()),
+        "n_err": int((cond == "tool_error").sum()),
+        "n_both_in_arb": int((arb & (df["outcome"] == "both")).sum()),
+    }
+
+
+def arm_metrics(df: pd.DataFrame) -> dict[str, Any]:
+    """Point values of every metric (see the module table) for one (model, arm, formulation),
+    plus the cell sizes. Rates are floats, NaN for an empty denominator."""
+    check_columns(df)
+    out: dict[str, Any] = {}
+    for spec in RATE_METRICS:
+        m = _mask(df, spec)
+        out[spec.name] = float(flag_values(df[m], spec.flag).mean()) if m.any() else float("nan")
+    out.update(_sizes(df))
+    return out
+
+
+def _num_den(df: pd.DataFrame, codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-cluster numerators and denominators (K x M) of every rate metric."""
+    num = np.zeros((k, len(RATE_METRICS)))
+    den = np.zeros((k, len(RATE_METRICS)))
+    for j, spec in enumerate(RATE_METRICS):
+        m = _mask(df, spec)
+        if not m.any():
+            continue
+        v = flag_values(df[m], spec.flag).astype(float)
+        num[:, j] = np.bincount(codes[m], weights=v, minlength=k)
+        den[:, j] = np.bincount(codes[m], minlength=k)
+    return num, den
+
+
+def _entry(value: float, lo: float, hi: float, n: int) -> dict[str, Any]:
+    j = _stats._jsonable
+    return {"value": j(value), "ci95": [j(lo), j(hi)], "n": int(n)}
+
+
+def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_boot: int = 2000,
+                    seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """Metrics of one (model, arm) over its formulations: per formulation and pooled.
+
+    Per formulation: point value and a question-cluster bootstrap CI. Pooled: the unweighted mean
+    of the formulations that have a non-empty denominator, CI from the SAME resampled qkeys applied
+    to every formulation (a replicate where one of them is empty is dropped). One (B x K) draw
+    serves every metric, formulation and the pooled value."""
+    check_columns(df, tuple(REQUIRED_COLUMNS) + (formulation_col,))
+    codes, qkeys = pd.factorize(df["qkey"], sort=True)
+    k = len(qkeys)
+    forms = [f for f in FORMULATIONS if f in set(df[formulation_col])]
+    forms += sorted(set(df[formulation_col]) - set(forms), key=str)
+    w = _stats.resample_weights(k, n_boot, seed=seed)
+    out: dict[str, Any] = {}
+    points, reps, dens = [], [], []
+    for f in forms:
+        mask = (df[formulation_col] == f).to_numpy()
+        sub = df[mask]
+        num, den = _num_den(sub, codes[mask], k)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            point = num.sum(0) / den.sum(0)
+        r = _stats.ratio_replicates(num, den, w)
+        ci = _stats.percentile_ci(r, alpha)
+        block = {spec.name: _entry(point[j], ci[0, j], ci[1, j], den[:, j].sum())
+                 for j, spec in enumerate(RATE_METRICS)}
+        block.update(_sizes(sub))
+        out[str(f)] = block
+        points.append(point)
+        reps.append(r)
+        dens.append(den.sum(0))
+    points_a, reps_a, dens_a = np.array(points), np.array(reps), np.array(dens)   # (F,M) (F,B,M) (F,M)
+    pooled: dict[str, Any] = {}
+    for j, spec in enumerate(RATE_METRICS):
+        use = dens_a[:, j] > 0
+        if not use.any():
+            pooled[spec.name] = _entry(np.nan, np.nan, np.nan, 0)
+            pooled[spec.name]["n_formulations"] = 0
+            continue
+        value = points_a[use, j].mean()
+        r = reps_a[use, :, j]
+        rj = np.where(np.all(np.isfinite(r), 0), r.mean(0), np.nan)
+        lo, hi = _stats.percentile_ci(rj, alpha)
+        pooled[spec.name] = _entry(value, lo, hi, dens_a[use, j].sum())
+        pooled[spec.name]["n_formulations"] = int(use.sum())
+    for s in SIZE_NAMES:
+        pooled[s] = int(sum(out[str(f)][s] for f in forms))
+    pooled["n_questions"] = int(k)
+    out["pooled"] = pooled
+    return out
+
+
+def summarize(df: pd.DataFrame, by: Sequence[str] = ("model", "arm", "formulation"), n_boot: int = 2000,
+              seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """Every metric with a CI, per group, per formulation and pooled.
+
+    ``by`` must contain "formulation"; the other columns nest the result in their order, e.g.
+    ``out[model][arm]["reference" | "paraphrase_a" | "paraphrase_b" | "pooled"]["retention"]
+    = {"value", "ci95": [lo, hi], "n"}`` (pooled entries add ``n_formulations``). Cell sizes are
+    plain ints beside the metrics (pooled: summed over formulations). JSON-serialisable: plain
+    floats, NaN -> None."""
+    by = list(by)
+    if "formulation" not in by:
+        raise DataError(f"summarize: by={by} must include 'formulation' (pooling is over formulations)")
+    check_columns(df, tuple(REQUIRED_COLUMNS) + tuple(by))
+    outer = [c for c in by if c != "formulation"]
+    if not outer:
+        return summarize_group(df, n_boot=n_boot, seed=seed, alpha=alpha)
+    result: dict[str, Any] = {}
+    for key, g in df.groupby(outer, sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        node = result
+        for part in key[:-1]:
+            node = node.setdefault(str(part), {})
+        node[str(key[-1])] = summarize_group(g, n_boot=n_boot, seed=seed, alpha=alpha)
+    return result
+
+
+def common_support(df_a: pd.DataFrame, df_b: pd.DataFrame, on: Union[str, Sequence[str]] = "qkey",
+                   condition: Union[None, str, Iterable[str]] = None,
+                   cell: Union[None, str, Iterable[str]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Restrict two scored frames to the keys present in both (paired comparisons: far vs
+    canonical, treated vs untreated). With ``condition``/``cell`` the frames are first restricted
+    to those episodes, so the support is that of one metric's denominator. ``on`` is "qkey" or,
+    for pooled units, ("qkey", "formulation")."""
+    on = [on] if isinstance(on, str) else list(on)
+    if condition is not None:
+        df_a, df_b = subset(df_a, condition, cell), subset(df_b, condition, cell)
+    ka = pd.MultiIndex.from_frame(df_a[on].astype(str))
+    kb = pd.MultiIndex.from_frame(df_b[on].astype(str))
+    both = ka.intersection(kb)
+    return df_a[ka.isin(both)], df_b[kb.isin(both)]
+
+
+def paired_units(treated: pd.DataFrame, untreated: pd.DataFrame, metric: str,
+                 on: Sequence[str] = ("qkey", "formulation")) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Units of a paired contrast of ``metric`` (a name of RATE_METRICS): each frame is restricted
+    to the metric's denominator, units are matched on ``on`` (+ condition), and the result has
+    columns ``treated, untreated, cluster`` (cluster = qkey) ready for ``stats.paired_contrast``.
+    Also returns {"n_treated_only", "n_untreated_only"} (units outside the common support)."""
+    if metric not in SPECS:
+        raise DataError(f"unknown metric {metric!r}; metrics are {', '.join(METRIC_NAMES)}")
+    spec = SPECS[metric]
+    on = list(on) + ["condition"]
+    frames = []
+    for df in (treated, untreated):
+        check_columns(df, tuple(REQUIRED_COLUMNS) + tuple(on))
+        m = _mask(df, spec)
+        sub = df[m][on].astype(str).copy()
+        sub["v"] = flag_values(df[m], spec.flag).astype(float)
+        if sub.duplicated(on).any():
+            raise DataError(f"paired_units: duplicate units on {on} for metric {metric}; pass one "
+                            "arm per frame")
+        frames.append(sub)
+    merged = frames[0].merge(frames[1], on=on, how="outer", suffixes=("_t", "_u"), indicator=True)
+    both = merged[merged["_merge"] == "both"]
+    units = pd.DataFrame({"treated": both["v_t"].to_numpy(), "untreated": both["v_u"].to_numpy(),
+                          "cluster": both["qkey"].to_numpy()})
+    extra = {"n_treated_only": int((merged["_merge"] == "left_only").sum()),
+             "n_untreated_only": int((merged["_merge"] == "right_only").sum())}
+    return units, extra
+
+
+def paired_metric_contrast(treated: pd.DataFrame, untreated: pd.DataFrame, metric: str,
+                           on: Sequence[str] = ("qkey", "formulation"), **kw: Any) -> dict[str, Any]:
+    """``stats.paired_contrast`` of ``metric`` on the common support of two arms (pooled units
+    (qkey, formulation) clustered by qkey by default; ``on=("qkey",)`` for one formulation)."""
+    units, extra = paired_units(treated, untreated, metric, on)
+    res = _stats.paired_contrast(units, **kw)
+    return {**res, **extra, "metric": metric}
+
+
+def synthetic_arm(n_questions: int = 542, seed: int = 0, formulations: Sequence[str] = FORMULATIONS,
+                  model: str = "synthetic", arm: str = "untreated") -> pd.DataFrame:
+    """A random scored arm (4 core conditions x formulations) with plausible cell rates, for
+    benchmarks and tests. Not benchmark data."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    conds = ("tool_right", "tool_wrong", "tool_error", "no_tool")
+    tool_correct = {"tool_right": True, "tool_wrong": False, "tool_error": False, "no_tool": None}
+    for f in formulations:
+        mem_absent = rng.random(n_questions) < 0.05
+        mem_correct = rng.random(n_questions) < 0.35
+        for q in range(n_questions):
+            for c in conds:
+                cell = assign_cell(None if mem_absent[q] else bool(mem_correct[q]), bool(mem_absent[q]),
+                                   tool_correct[c])
+                if c == "tool_error":
+                    ft, km = False, bool(rng.random() < 0.1)
+                elif c == "no_tool":
+                    ft, km = False, not mem_absent[q]
+                else:
+                    ft = bool(rng.random() < 0.8)
+                    km = bool(rng.random() < 0.2) and not mem_absent[q]
+                fc = (ft and c == "tool_right") or (km and bool(mem_correct[q]))
+                outcome = "both" if ft and km else "followed_tool" if ft else "kept_memory" if km else "neither"
+                rows.append({"model": model, "arm": arm, "formulation": f, "qkey": f"q{q:04d}",
+                             "condition": c, "cell": cell, "followed_tool": ft, "kept_memory": km,
+                             "outcome": outcome, "final_correct": bool(fc),
+                             "abstain": bool(c == "tool_error" and rng.random() < 0.7)})
+    return pd.DataFrame(rows)

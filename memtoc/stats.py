@@ -1,0 +1,324 @@
+"""Statistics for MemToC (PROTOCOL.md §6): question-cluster bootstrap, paired sign-flip tests,
+Holm families, two-proportion z-tests, the asymmetric success criterion and ranking stability.
+
+Everything resampling-based is vectorized with numpy: one (B x K) matrix of cluster draws gives
+every metric of an arm at once (``resample_weights`` + a matrix product), and a (P x K) matrix of
+signs gives the permutation distribution. Percentile intervals use the release's index rule
+(sorted replicates at ``int(0.025 B)`` and ``min(B-1, int(0.975 B))``; 25 and 975 for B = 1000).
+Holm and the z-test come from statsmodels.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .config import MemtocError
+
+DEFAULT_N_BOOT = 2000
+DEFAULT_N_PERM = 10000
+
+
+class StatsInputError(MemtocError, ValueError):
+    """Bad input to a statistical routine (mismatched lengths, NaN values, empty data)."""
+
+
+def _jsonable(x: Any) -> Any:
+    """Plain Python floats/ints; NaN/inf -> None."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def percentile_ci(samples: np.ndarray, alpha: float = 0.05, axis: int = 0) -> np.ndarray:
+    """Percentile interval with the release's index rule, ignoring non-finite replicates.
+
+    ``samples``: (B,) or (B, M). Returns (2,) or (2, M); NaN where no replicate is finite."""
+    s = np.asarray(samples, dtype=float)
+    s = np.moveaxis(s, axis, 0)
+    flat = s.reshape(s.shape[0], -1)
+    out = np.full((2, flat.shape[1]), np.nan)
+    for j in range(flat.shape[1]):
+        v = np.sort(flat[np.isfinite(flat[:, j]), j])
+        b = v.size
+        if b:
+            out[0, j] = v[int(alpha / 2 * b)]
+            out[1, j] = v[min(b - 1, int((1 - alpha / 2) * b))]
+    return out.reshape((2,) + s.shape[1:])
+
+
+def resample_weights(n_clusters: int, n_boot: int = DEFAULT_N_BOOT,
+                     rng: Optional[np.random.Generator] = None, seed: int = 0) -> np.ndarray:
+    """(n_boot x n_clusters) multiplicities of a cluster bootstrap: row b counts how often each
+    cluster was drawn in replicate b (draws: ``rng.integers(0, K, (B, K))``, as in the release)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    k = int(n_clusters)
+    if k <= 0:
+        return np.zeros((n_boot, 0))
+    idx = rng.integers(0, k, size=(n_boot, k))
+    flat = (idx + (np.arange(n_boot) * k)[:, None]).ravel()
+    return np.bincount(flat, minlength=n_boot * k).reshape(n_boot, k).astype(float)
+
+
+def cluster_sums(values: np.ndarray, cluster: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-cluster sums and counts of ``values`` ((n,) or (n, M)). Returns (sums (K[,M]), counts (K,),
+    cluster labels (K,))."""
+    codes, labels = pd.factorize(pd.Series(list(cluster)) if not isinstance(cluster, pd.Series) else cluster,
+                                 sort=True)
+    v = np.asarray(values, dtype=float)
+    k = len(labels)
+    counts = np.bincount(codes, minlength=k).astype(float)
+    if v.ndim == 1:
+        sums = np.bincount(codes, weights=v, minlength=k)
+    else:
+        sums = np.stack([np.bincount(codes, weights=v[:, j], minlength=k) for j in range(v.shape[1])], 1)
+    return sums, counts, np.asarray(labels)
+
+
+def ratio_replicates(num: np.ndarray, den: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Bootstrap replicates of sum(num)/sum(den) for clustered data: num, den (K,) or (K, M) per
+    cluster, weights (B, K) from :func:`resample_weights`. Returns (B,) or (B, M); NaN where a
+    replicate's denominator is 0."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (weights @ np.asarray(num, float)) / (weights @ np.asarray(den, float))
+
+
+def cluster_bootstrap(values: Sequence[float], cluster: Sequence[Any], n_boot: int = DEFAULT_N_BOOT,
+                      seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """Mean of ``values`` with a question-cluster percentile bootstrap CI.
+
+    Each replicate draws K clusters with replacement and takes sum(values)/count over them."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return {"value": None, "ci95": [None, None], "n": 0, "n_clusters": 0}
+    if len(cluster) != v.size:
+        raise StatsInputError(f"values ({v.size}) and cluster ({len(cluster)}) differ in length")
+    if not np.all(np.isfinite(v)):
+        raise StatsInputError("values contain NaN/inf; drop those units first")
+    s, c, _ = cluster_sums(v, cluster)
+    reps = ratio_replicates(s, c, resample_weights(len(c), n_boot, seed=seed))
+    lo, hi = percentile_ci(reps, alpha)
+    return {"value": _jsonable(v.mean()), "ci95": [_jsonable(lo), _jsonable(hi)], "n": int(v.size),
+            "n_clusters": int(len(c))}
+
+
+def episode_bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> list[float]:
+    """The release's per-cell CI (PROTOCOL §6, bootstrap 1): ``random.Random(seed)``, each resample
+    draws n indices with randrange(n); sorted means at 25 / 975 (B = 1000); rounded to 4 decimals.
+    Kept for exact comparison with published per-cell intervals; depends on the order of values."""
+    import random
+
+    v = list(map(float, values))
+    n = len(v)
+    if n == 0:
+        return [None, None]
+    r = random.Random(seed)
+    means = sorted(sum(v[r.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
+    return [round(means[int(0.025 * n_boot)], 4), round(means[min(n_boot - 1, int(0.975 * n_boot))], 4)]
+
+
+def sign_flip_pvalue(cluster_diff_sums: np.ndarray, n_units: int, delta: float,
+                     n_perm: int = DEFAULT_N_PERM, rng: Optional[np.random.Generator] = None,
+                     seed: int = 0) -> float:
+    """Paired sign-flip permutation p-value on cluster sums (PROTOCOL §6.3): P x K random signs,
+    perm = sum(sign * cluster_sum) / n_units, p = (#{|perm| >= |delta| - 1e-12} + 1) / (P + 1)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    s = np.asarray(cluster_diff_sums, dtype=float)
+    signs = rng.integers(0, 2, size=(n_perm, s.size), dtype=np.int8).astype(float) * 2.0 - 1.0
+    perm = (signs @ s) / n_units
+    return float((np.count_nonzero(np.abs(perm) >= abs(delta) - 1e-12) + 1) / (n_perm + 1))
+
+
+def paired_contrast(treated: Any, untreated: Optional[Sequence[float]] = None,
+                    cluster: Optional[Sequence[Any]] = None, *, n_boot: int = DEFAULT_N_BOOT,
+                    n_perm: int = DEFAULT_N_PERM, seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """Paired contrast treated - untreated on units clustered by question (PROTOCOL §6.3).
+
+    Call with three aligned arrays, or with a DataFrame holding columns ``treated``,
+    ``untreated`` and ``cluster`` (or ``qkey``). delta = sum of unit differences / number of units;
+    CI: ``default_rng(seed)`` draws a (n_boot x K) matrix of cluster indices, each replicate = sum
+    of drawn cluster sums / sum of drawn cluster counts; then, with the same generator continuing,
+    ``n_perm`` sign flips of the cluster sums give ``p_signflip``.
+    """
+    if isinstance(treated, pd.DataFrame):
+        df = treated
+        ccol = "cluster" if "cluster" in df.columns else "qkey"
+        missing = [c for c in ("treated", "untreated", ccol) if c not in df.columns]
+        if missing:
+            raise StatsInputError(f"paired_contrast: DataFrame lacks column(s) {missing}; it needs "
+                                  "treated, untreated and cluster (or qkey)")
+        t, u, cl = df["treated"].to_numpy(float), df["untreated"].to_numpy(float), df[ccol].to_numpy()
+    else:
+        if untreated is None or cluster is None:
+            raise StatsInputError("paired_contrast needs treated, untreated and cluster arrays (or a DataFrame)")
+        t, u = np.asarray(treated, float), np.asarray(untreated, float)
+        cl = np.asarray(cluster)
+    if not (t.size == u.size == cl.size):
+        raise StatsInputError(f"paired_contrast: lengths differ (treated {t.size}, untreated {u.size}, "
+                              f"cluster {cl.size})")
+    if not (np.all(np.isfinite(t)) and np.all(np.isfinite(u))):
+        raise StatsInputError("paired_contrast: NaN values; restrict to the common support first "
+                              "(metrics.common_support)")
+    n = int(t.size)
+    if n == 0:
+        return {"delta": None, "ci95": [None, None], "p_signflip": None, "n_units": 0, "n_questions": 0}
+    d = t - u
+    s, c, _ = cluster_sums(d, cl)
+    delta = float(d.sum() / n)
+    rng = np.random.default_rng(seed)
+    k = s.size
+    idx = rng.integers(0, k, size=(n_boot, k))
+    reps = s[idx].sum(1) / c[idx].sum(1)
+    lo, hi = percentile_ci(reps, alpha)
+    p = sign_flip_pvalue(s, n, delta, n_perm, rng=rng)
+    return {"delta": delta, "ci95": [_jsonable(lo), _jsonable(hi)], "p_signflip": p,
+            "n_units": n, "n_questions": int(k)}
+
+
+def holm(pvals: Sequence[float] | Mapping[str, float]) -> Any:
+    """Holm-adjusted p-values (statsmodels ``multipletests(method="holm")``). A mapping returns a
+    mapping with the same keys; None/NaN entries are left out of the family and returned as None."""
+    from statsmodels.stats.multitest import multipletests
+
+    keys = list(pvals.keys()) if isinstance(pvals, Mapping) else None
+    vals = list(pvals.values()) if keys is not None else list(pvals)
+    ok = [i for i, p in enumerate(vals) if p is not None and math.isfinite(float(p))]
+    adj: list[Optional[float]] = [None] * len(vals)
+    if ok:
+        res = multipletests([float(vals[i]) for i in ok], method="holm")[1]
+        for i, a in zip(ok, res):
+            adj[i] = float(a)
+    return dict(zip(keys, adj)) if keys is not None else adj
+
+
+def holm_families(families: Mapping[str, Mapping[str, Mapping[str, Any]]], alpha: float = 0.05
+                  ) -> dict[str, dict[str, dict[str, Any]]]:
+    """Add ``p_holm`` and ``significant`` to every contrast dict (with ``p_signflip`` or ``p``),
+    Holm-correcting inside each named family. Returns new dicts."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for fam, contrasts in families.items():
+        ps = {k: v.get("p_signflip", v.get("p")) for k, v in contrasts.items()}
+        adj = holm(ps)
+        out[fam] = {k: {**v, "p_holm": adj[k], "family": fam,
+                        "significant": adj[k] is not None and adj[k] < alpha}
+                    for k, v in contrasts.items()}
+    return out
+
+
+def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> dict[str, Any]:
+    """Two-sided pooled two-proportion z-test (statsmodels ``proportions_ztest``) for unpaired
+    cross-model contrasts. Returns {"p1", "p2", "diff", "z", "p"}."""
+    from statsmodels.stats.proportion import proportions_ztest
+
+    if min(n1, n2) <= 0:
+        raise StatsInputError(f"two_proportion_z: empty sample (n1={n1}, n2={n2})")
+    p1, p2 = k1 / n1, k2 / n2
+    if (k1 + k2) in (0, n1 + n2):   # no variance: identical all-0 / all-1 samples
+        return {"p1": p1, "p2": p2, "diff": p1 - p2, "z": 0.0, "p": 1.0}
+    z, p = proportions_ztest(np.array([k1, k2]), np.array([n1, n2]), alternative="two-sided")
+    return {"p1": p1, "p2": p2, "diff": p1 - p2, "z": float(z), "p": float(p)}
+
+
+def _p(c: Mapping[str, Any]) -> Optional[float]:
+    for key in ("p_holm", "p_signflip", "p"):
+        if c.get(key) is not None:
+            return float(c[key])
+    return None
+
+
+def success_criterion(retention_contrast: Mapping[str, Any], tool_contrast: Mapping[str, Any],
+                      alpha: float = 0.05) -> dict[str, Any]:
+    """The asymmetric success criterion: retention rises significantly (Holm-adjusted p < alpha and
+    delta > 0) AND correct-tool following shows no significant drop (not (delta < 0 and p < alpha)).
+
+    Each contrast is a :func:`paired_contrast` dict; ``p_holm`` is used when present (add it with
+    :func:`holm_families`), else ``p_signflip``."""
+    rp, tp = _p(retention_contrast), _p(tool_contrast)
+    rd, td = retention_contrast.get("delta"), tool_contrast.get("delta")
+    retention_up = rp is not None and rd is not None and rd > 0 and rp < alpha
+    tool_drop = tp is not None and td is not None and td < 0 and tp < alpha
+    passed = bool(retention_up and not tool_drop and td is not None)
+    why = []
+    if not retention_up:
+        why.append("retention did not rise significantly")
+    if tool_drop:
+        why.append("correct-tool following dropped significantly")
+    if td is None:
+        why.append("no correct-tool following contrast")
+    return {"passed": passed, "retention_up": bool(retention_up), "tool_drop": bool(tool_drop),
+            "retention_delta": rd, "retention_p": rp, "tool_delta": td, "tool_p": tp,
+            "alpha": alpha, "reason": "; ".join(why) or "retention up, no significant tool drop"}
+
+
+def ranking_stability(per_formulation_values: Mapping[str, Mapping[str, float]],
+                      pooled_values: Mapping[str, float]) -> dict[str, Any]:
+    """Which orderings between models hold pooled AND under every formulation.
+
+    ``per_formulation_values``: {formulation: {model: value}}; ``pooled_values``: {model: value}.
+    Returns ``orders`` (ascending model order per scope, as the release lists them), ``pairs``
+    (one entry per model pair: the pooled order "a<b", and whether every formulation agrees),
+    ``stable_pairs`` and ``full_order_stable`` (the complete ordering is the same everywhere)."""
+    models = [m for m in pooled_values if pooled_values[m] is not None]
+    scopes = {"pooled": dict(pooled_values), **{f: dict(v) for f, v in per_formulation_values.items()}}
+    orders = {s: sorted([m for m in models if vals.get(m) is not None], key=lambda m: vals[m])
+              for s, vals in scopes.items()}
+    pairs = []
+    for a, b in itertools.combinations(models, 2):
+        pa, pb = pooled_values[a], pooled_values[b]
+        if pa == pb:
+            pairs.append({"pair": [a, b], "pooled_order": None, "stable": False})
+            continue
+        lo, hi = (a, b) if pa < pb else (b, a)
+        holds = [f for f, v in per_formulation_values.items()
+                 if v.get(lo) is not None and v.get(hi) is not None and v[lo] < v[hi]]
+        pairs.append({"pair": [a, b], "pooled_order": f"{lo}<{hi}",
+                      "holds_in": holds, "stable": len(holds) == len(per_formulation_values)})
+    full = all(o == orders["pooled"] for o in orders.values())
+    return {"orders": orders, "pairs": pairs,
+            "stable_pairs": [p["pooled_order"] for p in pairs if p["stable"]],
+            "full_order_stable": bool(full)}
+
+
+def run_benchmark(n_questions: int = 542, n_boot: int = DEFAULT_N_BOOT, n_perm: int = DEFAULT_N_PERM,
+                  seed: int = 0, repeats: int = 3) -> dict[str, Any]:
+    """Time the full metric set of one synthetic arm (``n_questions`` questions x 3 formulations x
+    the 4 core conditions) with ``n_boot`` cluster-bootstrap resamples (per-formulation and pooled
+    CIs, ``metrics.summarize``), and one paired contrast with ``n_perm`` sign flips. Best of
+    ``repeats``; returns seconds."""
+    from . import metrics
+
+    df = metrics.synthetic_arm(n_questions, seed=seed)
+    t_boot = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        metrics.summarize(df, by=("model", "arm", "formulation"), n_boot=n_boot, seed=seed)
+        t_boot.append(time.perf_counter() - t0)
+    rng = np.random.default_rng(seed)
+    treated = rng.integers(0, 2, 3 * n_questions)
+    untreated = rng.integers(0, 2, 3 * n_questions)
+    cluster = np.repeat(np.arange(n_questions), 3)
+    t_perm, t_contrast = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        s, _, _ = cluster_sums(treated - untreated, cluster)
+        sign_flip_pvalue(s, treated.size, 0.0, n_perm, seed=seed)
+        t_perm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        paired_contrast(treated, untreated, cluster, n_boot=n_boot, n_perm=n_perm, seed=seed)
+        t_contrast.append(time.perf_counter() - t0)
+    n_metrics = len(metrics.RATE_METRICS)
+    return {"n_questions": n_questions, "n_formulations": 3, "n_episodes": int(len(df)),
+            "n_metrics": n_metrics, "n_boot": n_boot, "n_perm": n_perm,
+            "seconds_metric_set_bootstrap": min(t_boot),
+            "seconds_sign_flips": min(t_perm),
+            "seconds_paired_contrast": min(t_contrast),
+            "repeats": repeats}
