@@ -1,0 +1,832 @@
+"""Claims: every number the report prints, tied to the file and JSON pointer that carries it.
+
+The registry (``paper/claims.yaml``) lists claims. A claim has
+
+``id``         unique name; may contain ``{var}`` placeholders expanded by ``foreach``
+``statement``  the sentence it supports, with a ``{value}`` placeholder (and ``{var}``s)
+``file``       path relative to the run directory (``summaries/evaluation.json``)
+``pointer``    RFC 6901 JSON pointer to the value (``{var}``s are substituted escaped)
+``rounding``   how the value is printed (see :func:`format_value`)
+``derive``     optional, one of ``min | max | range | count``: the claim is computed from the
+               pointer expanded over the ``over`` variables (e.g. the range over models)
+``foreach``    optional mapping ``var -> domain``; a domain is a literal list, or
+               ``{file, pointer}`` whose mapping keys (or list items) are the values, optionally
+               ``{..., exclude: [..]}``. Later domains may use earlier variables.
+``section``    report section; ``table`` (optional) ``{name, row, col}`` places the claim in a table
+``required``   default true: a required claim whose file/pointer is missing stops the report;
+               an optional one is left out of the report (listed under ``omitted`` in claims.json)
+
+Rounding rules: ``percent:N`` (x100, N decimals), ``pp:N`` (x100, signed, percentage points),
+``decimal:N``, ``signed:N``, ``int``, ``thousands`` (int with a thousands comma), ``exact``
+(strings as they are; booleans as ``yes``/``no``). Rounding is half-up on the shortest decimal
+representation of the value (``repr``); ``None``/NaN print as ``n/a``.
+
+The report marks each printed claim as ``<!--claim:ID-->VALUE<!--/claim-->``: invisible once
+rendered, and :func:`verify` checks every marker against ``claims.json``, every claim against the
+report, and flags digits in the report text that are not inside a marker (untagged numbers).
+
+:func:`resolve` reads a run's files and produces :class:`Claim` objects; :func:`write_claims`
+writes ``<run_dir>/paper/claims.json``; :func:`verify` re-derives every claim from its file and
+diffs the printed value; :func:`verify_published` re-derives the published paper's numbers that
+the release data supports (the ``published:`` part of the registry). ``memtoc verify`` is
+:func:`cli`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as _dt
+import hashlib
+import itertools
+import json
+import math
+import re
+import string
+import sys
+from dataclasses import asdict, dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+
+from .config import REPO_ROOT, MemtocError
+
+REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
+DERIVATIONS = ("min", "max", "range", "count")
+RANGE_DASH = "–"
+MARKER_RE = re.compile(r"<!--claim:([^>]*?)-->(.*?)<!--/claim-->", re.S)
+
+
+class ClaimError(MemtocError):
+    """The registry, a run file, a pointer or claims.json is missing or malformed."""
+
+
+class MissingSource(ClaimError):
+    """A claim's file or pointer does not exist (the claim cannot be derived)."""
+
+
+# --------------------------------------------------------------------------------------------
+# JSON pointers (RFC 6901)
+
+def escape_token(token: Any) -> str:
+    return str(token).replace("~", "~0").replace("/", "~1")
+
+
+def unescape_token(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def json_pointer(doc: Any, pointer: str, *, where: str = "<document>") -> Any:
+    """Return the value at ``pointer`` in ``doc``; raise MissingSource naming the missing token."""
+    if pointer == "":
+        return doc
+    if not pointer.startswith("/"):
+        raise ClaimError(f"{where}: JSON pointer {pointer!r} must start with '/' (RFC 6901)")
+    cur = doc
+    walked = ""
+    for raw in pointer[1:].split("/"):
+        tok = unescape_token(raw)
+        walked += "/" + raw
+        if isinstance(cur, dict):
+            if tok not in cur:
+                raise MissingSource(f"{where}: pointer {pointer} not found: no key {tok!r} at "
+                                    f"{walked[:-len(raw) - 1] or '/'} (keys there: {', '.join(map(str, list(cur)[:12]))})")
+            cur = cur[tok]
+        elif isinstance(cur, list):
+            if not re.fullmatch(r"0|[1-9][0-9]*", tok) or int(tok) >= len(cur):
+                raise MissingSource(f"{where}: pointer {pointer} not found: index {tok!r} out of range "
+                                    f"(list of {len(cur)}) at {walked}")
+            cur = cur[int(tok)]
+        else:
+            raise MissingSource(f"{where}: pointer {pointer} not found: {walked} goes into a "
+                                f"{type(cur).__name__}")
+    return cur
+
+
+# --------------------------------------------------------------------------------------------
+# Rounding
+
+def parse_rounding(rule: str) -> tuple[str, int]:
+    if not isinstance(rule, str) or not rule:
+        raise ClaimError(f"rounding rule {rule!r}: expected e.g. 'percent:1', 'decimal:3', 'int', 'exact'")
+    kind, _, digits = rule.partition(":")
+    if kind in ("percent", "pp", "decimal", "signed"):
+        if not digits.isdigit():
+            raise ClaimError(f"rounding rule {rule!r}: {kind} needs a number of decimals, e.g. '{kind}:1'")
+        return kind, int(digits)
+    if kind in ("int", "thousands", "exact") and not digits:
+        return kind, 0
+    raise ClaimError(f"unknown rounding rule {rule!r}; valid: percent:N, pp:N, decimal:N, signed:N, "
+                     "int, thousands, exact")
+
+
+def _is_missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _quantize(value: Any, digits: int, scale: int = 1) -> Decimal:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClaimError(f"value {value!r} is not a number")
+    d = Decimal(repr(value)) * scale
+    return d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+
+
+def format_value(value: Any, rule: str) -> str:
+    """Print ``value`` with a rounding rule (module docstring). Returns the printed string."""
+    kind, digits = parse_rounding(rule)
+    if kind == "exact":
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if value is None:
+            return "n/a"
+        if isinstance(value, (dict, list)):
+            return json.dumps(value, ensure_ascii=False, sort_keys=True)
+        return str(value)
+    if _is_missing(value):
+        return "n/a"
+    if kind == "percent":
+        q = _quantize(value, digits, 100)
+    elif kind == "pp":
+        q = _quantize(value, digits, 100)
+    elif kind in ("decimal", "signed"):
+        q = _quantize(value, digits)
+    else:  # int / thousands
+        q = _quantize(value, 0)
+    if q == 0:
+        q = abs(q)  # no "-0.0"
+    if kind in ("pp", "signed"):
+        return f"{q:+f}" if digits else f"{int(q):+d}"
+    if kind == "int":
+        return str(int(q))
+    if kind == "thousands":
+        return f"{int(q):,}"
+    return f"{q:f}"
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+
+@dataclass
+class Claim:
+    """One resolved claim: what the report prints and where it comes from."""
+
+    id: str
+    statement: str              # the sentence with the value filled in
+    template: str               # the sentence with {value}
+    file: str                   # relative to the run directory
+    pointers: list[str]         # one pointer, or several for a derivation
+    rounding: str
+    value: str                  # as printed
+    raw: Any                    # the value(s) read from the file
+    derive: Optional[str] = None
+    sha256: str = ""
+    section: str = ""
+    table: Optional[dict] = None
+    required: bool = True
+
+    @property
+    def pointer(self) -> str:
+        return self.pointers[0] if len(self.pointers) == 1 else self.pointers[0] + " …"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pointer"] = self.pointers[0] if len(self.pointers) == 1 else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "claims.json") -> "Claim":
+        missing = [k for k in ("id", "statement", "template", "file", "pointers", "rounding", "value") if k not in d]
+        if missing:
+            raise ClaimError(f"{where}: claim {d.get('id', '?')!r} lacks field(s) {missing}; rebuild it "
+                             "with notebooks/08_paper.ipynb")
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def load_registry(registry: str | Path | dict | None = None) -> dict[str, Any]:
+    """Read and check the registry (a path, an already-loaded dict, or the default file)."""
+    if isinstance(registry, dict):
+        reg, where = registry, "<registry>"
+    else:
+        path = Path(registry) if registry else REGISTRY_PATH
+        where = str(path)
+        if not path.is_file():
+            raise ClaimError(f"claim registry {path} does not exist; the shipped one is paper/claims.yaml")
+        try:
+            reg = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ClaimError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(reg, dict) or not isinstance(reg.get("claims"), list):
+        raise ClaimError(f"{where}: the registry must be a mapping with a 'claims' list")
+    seen: set[str] = set()
+    for i, c in enumerate(reg["claims"]):
+        if not isinstance(c, dict):
+            raise ClaimError(f"{where}: claims[{i}] must be a mapping")
+        cid = c.get("id", f"claims[{i}]")
+        for k in ("id", "statement", "file", "pointer", "rounding"):
+            if k not in c:
+                raise ClaimError(f"{where}: claim {cid!r}: field {k!r} is missing")
+        if "{value}" not in c["statement"]:
+            raise ClaimError(f"{where}: claim {cid!r}: the statement needs a {{value}} placeholder")
+        parse_rounding(c["rounding"])
+        if c.get("derive") is not None:
+            if c["derive"] not in DERIVATIONS:
+                raise ClaimError(f"{where}: claim {cid!r}: derive {c['derive']!r} is not one of {DERIVATIONS}")
+            if not c.get("over"):
+                raise ClaimError(f"{where}: claim {cid!r}: derive needs 'over' (variable -> domain)")
+        if cid in seen:
+            raise ClaimError(f"{where}: duplicate claim id {cid!r}")
+        seen.add(cid)
+    return reg
+
+
+class _Files:
+    """Reads run files once, remembers their sha256."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.cache: dict[str, tuple[Any, str]] = {}
+
+    def load(self, rel: str) -> tuple[Any, str]:
+        if rel not in self.cache:
+            path = self.root / rel
+            if not path.is_file():
+                raise MissingSource(f"file {path} does not exist")
+            data = path.read_bytes()
+            sha = hashlib.sha256(data).hexdigest()
+            text = data.decode("utf-8")
+            try:
+                if path.suffix == ".jsonl":
+                    doc: Any = [json.loads(l) for l in text.splitlines() if l.strip()]
+                elif path.suffix in (".yaml", ".yml"):
+                    doc = yaml.safe_load(text)
+                elif path.suffix == ".json":
+                    doc = json.loads(text)
+                else:
+                    doc = text
+            except (json.JSONDecodeError, yaml.YAMLError) as e:
+                raise ClaimError(f"file {path} is not valid {path.suffix[1:].upper()}: {e}") from None
+            self.cache[rel] = (doc, sha)
+        return self.cache[rel]
+
+    def get(self, rel: str, pointer: str) -> Any:
+        doc, _ = self.load(rel)
+        return json_pointer(doc, pointer, where=str(self.root / rel))
+
+
+class _Fmt(dict):
+    """str.format_map helper: unknown names stay as ``{name}``."""
+
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _fill(template: str, env: dict[str, Any], escape: bool = False) -> str:
+    vals = {k: (_escape_deep(v) if escape else v) for k, v in env.items()}
+    return string.Formatter().vformat(template, (), _Fmt(vals))
+
+
+def _escape_deep(v: Any) -> Any:
+    """Escape a foreach value for use as one pointer token; a string starting with "/" is a
+    pointer fragment and is inserted as it is."""
+    if isinstance(v, dict):
+        return {k: _escape_deep(x) for k, x in v.items()}
+    if isinstance(v, str) and v.startswith("/"):
+        return v
+    return escape_token(v)
+
+
+def _domain(spec: Any, env: dict[str, Any], files: _Files, where: str) -> list[Any]:
+    if isinstance(spec, list):
+        return list(spec)
+    if isinstance(spec, dict) and "pointer" in spec:
+        rel = _fill(spec.get("file", ""), env)
+        node = files.get(rel, _fill(spec["pointer"], env, escape=True))
+        if isinstance(node, dict):
+            vals = [k for k in node if not str(k).startswith("_")]
+        elif isinstance(node, list):
+            vals = list(node)
+        else:
+            raise ClaimError(f"{where}: foreach domain {spec} is a {type(node).__name__}, not a mapping or list")
+        excl = set(spec.get("exclude", []))
+        return [v for v in vals if v not in excl]
+    raise ClaimError(f"{where}: a foreach domain must be a list or {{file, pointer}}, got {spec!r}")
+
+
+def _expand(vars_: dict[str, Any], env: dict[str, Any], files: _Files, where: str) -> list[dict[str, Any]]:
+    envs = [dict(env)]
+    for var, spec in (vars_ or {}).items():
+        nxt = []
+        for e in envs:
+            for v in _domain(spec, e, files, where):
+                nxt.append({**e, var: v})
+        envs = nxt
+    return envs
+
+
+def _derive(op: str, values: list[Any], rule: str) -> str:
+    if op == "count":
+        return format_value(len(values), "int" if parse_rounding(rule)[0] != "thousands" else rule)
+    nums = [v for v in values if not _is_missing(v)]
+    if not nums:
+        return "n/a"
+    if op == "min":
+        return format_value(min(nums), rule)
+    if op == "max":
+        return format_value(max(nums), rule)
+    if op == "range":
+        return f"{format_value(min(nums), rule)}{RANGE_DASH}{format_value(max(nums), rule)}"
+    raise ClaimError(f"unknown derivation {op!r}; valid: {', '.join(DERIVATIONS)}")
+
+
+def _compute(files: _Files, rel: str, pointers: list[str], derive: Optional[str], rule: str) -> tuple[str, Any]:
+    if derive:
+        raw = [files.get(rel, p) for p in pointers]
+        return _derive(derive, raw, rule), raw
+    raw = files.get(rel, pointers[0])
+    return format_value(raw, rule), raw
+
+
+def resolve_all(run_dir: str | Path, registry: str | Path | dict | None = None) -> tuple[list[Claim], list[dict]]:
+    """Resolve every registry claim against a run. Returns (claims, omitted optional claims)."""
+    reg = load_registry(registry)
+    files = _Files(Path(run_dir))
+    out: list[Claim] = []
+    omitted: list[dict] = []
+    ids: set[str] = set()
+    for spec in reg["claims"]:
+        required = bool(spec.get("required", True))
+        try:
+            envs = _expand(spec.get("foreach"), {}, files, spec["id"])
+        except MissingSource as e:
+            if required:
+                raise ClaimError(f"required claim {spec['id']!r}: {e}. Run the stage that writes "
+                                 f"{spec.get('foreach')} (or mark the claim required: false)") from None
+            omitted.append({"id": spec["id"], "reason": str(e)})
+            continue
+        for env in envs:
+            cid = _fill(spec["id"], env)
+            rel = _fill(spec["file"], env)
+            try:
+                if spec.get("derive"):
+                    sub = _expand(spec["over"], env, files, cid)
+                    pointers = [_fill(spec["pointer"], e, escape=True) for e in sub]
+                else:
+                    pointers = [_fill(spec["pointer"], env, escape=True)]
+                value, raw = _compute(files, rel, pointers, spec.get("derive"), spec["rounding"])
+            except MissingSource as e:
+                if required:
+                    raise ClaimError(f"required claim {cid!r}: {e}. Run the stage that writes {rel}, or "
+                                     f"fix the pointer in the registry") from None
+                omitted.append({"id": cid, "reason": str(e)})
+                continue
+            if cid in ids:
+                raise ClaimError(f"claim id {cid!r} is produced twice; make the id template unique")
+            ids.add(cid)
+            table = None
+            if spec.get("table"):
+                table = {k: _fill(str(v), env) for k, v in spec["table"].items()}
+            template = _fill(spec["statement"], {**env, "value": "{value}"})
+            out.append(Claim(
+                id=cid, statement=template.replace("{value}", value), template=template, file=rel,
+                pointers=pointers, rounding=spec["rounding"], value=value, raw=raw,
+                derive=spec.get("derive"), sha256=files.load(rel)[1], section=spec.get("section", ""),
+                table=table, required=required))
+    return out, omitted
+
+
+def resolve(run_dir: str | Path, registry: str | Path | dict | None = None) -> list[Claim]:
+    """The printed value of each registry claim, read from the run's files."""
+    return resolve_all(run_dir, registry)[0]
+
+
+def write_claims(run_dir: str | Path, claims: list[Claim], omitted: list[dict] | None = None,
+                 registry: str | Path | None = None) -> Path:
+    path = Path(run_dir) / "paper" / "claims.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    reg_path = Path(registry) if registry and not isinstance(registry, dict) else REGISTRY_PATH
+    doc = {
+        "schema": "memtoc-claims-v1",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "registry": str(reg_path),
+        "registry_sha256": hashlib.sha256(reg_path.read_bytes()).hexdigest() if reg_path.is_file() else None,
+        "n_claims": len(claims),
+        "claims": [c.to_dict() for c in claims],
+        "omitted": omitted or [],
+    }
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
+def read_claims(run_dir: str | Path) -> tuple[list[Claim], dict]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ClaimError(f"run directory {run_dir} does not exist; run `memtoc run PARAMS.yaml` first "
+                         "(a run directory is outputs/<run_name>)")
+    path = run_dir / "paper" / "claims.json"
+    if not path.is_file():
+        raise ClaimError(f"{path} does not exist; build the report first (notebooks/08_paper.ipynb, "
+                         "or `memtoc run PARAMS.yaml --only 08`)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ClaimError(f"{path}: not valid JSON ({e}); rebuild it with notebooks/08_paper.ipynb") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
+        raise ClaimError(f"{path}: field 'claims' (a list) is missing; rebuild it with notebooks/08_paper.ipynb")
+    return [Claim.from_dict(d, str(path)) for d in doc["claims"]], doc
+
+
+def tag(claim: Claim | str, value: str | None = None) -> str:
+    """The report's marker for one printed claim value."""
+    if isinstance(claim, Claim):
+        return f"<!--claim:{claim.id}-->{claim.value}<!--/claim-->"
+    return f"<!--claim:{claim}-->{value}<!--/claim-->"
+
+
+def tagged_statement(c: Claim) -> str:
+    return c.template.replace("{value}", tag(c))
+
+
+def untagged_numbers(markdown: str) -> list[str]:
+    """Lines of report text holding digits outside claim markers, code spans and link targets."""
+    text = MARKER_RE.sub("", markdown)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    return [ln.strip() for ln in text.splitlines() if re.search(r"\d", ln)]
+
+
+# --------------------------------------------------------------------------------------------
+# Verification
+
+@dataclass
+class CheckRow:
+    id: str
+    status: str                 # PASS | FAIL (run claims); MATCH | MISMATCH | NOTE (published)
+    printed: str = ""
+    derived: str = ""
+    source: str = ""
+    detail: str = ""
+
+
+@dataclass
+class VerificationResult:
+    rows: list[CheckRow] = field(default_factory=list)
+    kind: str = "run"           # run | published
+    target: str = ""
+
+    FAILING = ("FAIL", "MISMATCH")
+    STATUSES = ("PASS", "FAIL", "MATCH", "NOTE", "N/A", "MISMATCH")
+
+    @property
+    def failures(self) -> list[CheckRow]:
+        return [r for r in self.rows if r.status in self.FAILING]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def n_claims(self) -> int:
+        return sum(1 for r in self.rows if not r.id.startswith("report:"))
+
+    @property
+    def n_pass(self) -> int:
+        return sum(1 for r in self.rows if not r.id.startswith("report:") and r.status not in self.FAILING)
+
+    def summary(self) -> str:
+        if self.kind == "published":
+            counts = {s: sum(r.status == s for r in self.rows) for s in ("MATCH", "NOTE", "N/A", "MISMATCH")}
+            checked = len(self.rows) - counts["N/A"]
+            return (f"{counts['MATCH']}/{checked} published values re-derived and matching; "
+                    f"{counts['NOTE']} documented disagreement(s), {counts['MISMATCH']} mismatch(es), "
+                    f"{counts['N/A']} not derivable from the release copy")
+        extra = len(self.rows) - self.n_claims
+        fails_report = sum(1 for r in self.failures if r.id.startswith("report:"))
+        s = f"{self.n_pass}/{self.n_claims} claims pass"
+        if extra:
+            s += f"; report checks: {extra - fails_report}/{extra} pass"
+        return s
+
+    def table(self, width: int = 48) -> str:
+        head = ("status", "claim", "printed", "derived", "source / detail")
+        rows = [(r.status, r.id, r.printed, r.derived, (r.source + ("  " + r.detail if r.detail else "")).strip())
+                for r in self.rows]
+        w = [max([len(head[i])] + [min(len(x[i]), width) for x in rows]) for i in range(4)]
+        fmt = "  ".join("{:<%d}" % n for n in w) + "  {}"
+        lines = [fmt.format(*head), fmt.format(*("-" * n for n in w), "-" * 15)]
+        lines += [fmt.format(*(x[i] if len(x[i]) <= width else x[i][:width - 1] + "…" for i in range(4)), x[4])
+                  for x in rows]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "target": self.target, "ok": self.ok, "summary": self.summary(),
+                "n_claims": self.n_claims, "n_pass": self.n_pass, "rows": [asdict(r) for r in self.rows]}
+
+    def to_frame(self):
+        import pandas as pd
+        return pd.DataFrame([asdict(r) for r in self.rows])
+
+
+def verify(run_dir: str | Path, check_report: bool = True) -> VerificationResult:
+    """Re-derive every claim of ``<run_dir>/paper/claims.json`` from its file and diff it."""
+    run_dir = Path(run_dir)
+    claims, _doc = read_claims(run_dir)
+    files = _Files(run_dir)
+    res = VerificationResult(kind="run", target=str(run_dir))
+    for c in claims:
+        src = f"{c.file}#{c.pointer}" + (f" ({c.derive} over {len(c.pointers)})" if c.derive else "")
+        row = CheckRow(id=c.id, status="FAIL", printed=c.value, source=src)
+        try:
+            derived, _raw = _compute(files, c.file, c.pointers, c.derive, c.rounding)
+        except ClaimError as e:
+            row.detail = f"cannot re-derive: {e}"
+            res.rows.append(row)
+            continue
+        row.derived = derived
+        notes = []
+        if derived != c.value:
+            notes.append(f"printed {c.value!r} but the file gives {derived!r}")
+        if c.template.replace("{value}", c.value) != c.statement:
+            notes.append("statement text does not carry the printed value")
+        if notes:
+            row.detail = "; ".join(notes)
+        else:
+            row.status = "PASS"
+            if c.sha256 and files.load(c.file)[1] != c.sha256:
+                row.detail = "note: file changed since the report was built (value unchanged)"
+        res.rows.append(row)
+    if check_report:
+        res.rows += _check_report(run_dir, claims)
+    return res
+
+
+def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
+    path = run_dir / "paper" / "report.md"
+    rows: list[CheckRow] = []
+    if not path.is_file():
+        return [CheckRow(id="report:file", status="FAIL", source=str(path),
+                         detail="report.md is missing; rebuild it with notebooks/08_paper.ipynb")]
+    md = path.read_text()
+    by_id = {c.id: c for c in claims}
+    seen: set[str] = set()
+    bad = []
+    n = 0
+    for m in MARKER_RE.finditer(md):
+        n += 1
+        cid, val = m.group(1), m.group(2)
+        seen.add(cid)
+        if cid not in by_id:
+            bad.append(f"{cid}: tagged in report.md but not in claims.json")
+        elif by_id[cid].value != val:
+            bad.append(f"{cid}: report.md prints {val!r}, claims.json {by_id[cid].value!r}")
+    rows.append(CheckRow(id="report:markers", status="FAIL" if bad else "PASS", printed=str(n),
+                         source="paper/report.md", detail="; ".join(bad)))
+    missing = [c.id for c in claims if c.id not in seen]
+    rows.append(CheckRow(id="report:coverage", status="FAIL" if missing else "PASS",
+                         printed=f"{len(claims) - len(missing)}/{len(claims)}", source="paper/report.md",
+                         detail=("claims not printed in the report: " + ", ".join(missing[:10])) if missing else ""))
+    stray = untagged_numbers(md)
+    rows.append(CheckRow(id="report:untagged", status="FAIL" if stray else "PASS", printed=str(len(stray)),
+                         source="paper/report.md",
+                         detail=("numbers outside claim markers: " + " | ".join(s[:60] for s in stray[:5])) if stray else ""))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Published paper checks: values re-derived from the release data
+
+def _regex_extract(text: Any, pattern: str, group: int | str = 1, where: str = "") -> str:
+    if not isinstance(text, str):
+        raise ClaimError(f"{where}: regex source is a {type(text).__name__}, not text")
+    m = re.search(pattern, text)
+    if not m:
+        raise MissingSource(f"{where}: pattern {pattern!r} not found")
+    return m.group(group)
+
+
+def _published_value(spec: dict, env: dict, files: _Files, where: str) -> Any:
+    """``{file, pointer?, regex?, group?}``: a value read from a release file."""
+    rel = _fill(spec["file"], env)
+    node = files.get(rel, _fill(spec.get("pointer", ""), env, escape=True))
+    if "regex" in spec:
+        pattern = spec["regex"]
+        m = re.fullmatch(r"\{(\w+)\[(\w+)\]\}", pattern)   # "{var[field]}": a pattern taken from foreach
+        if m:
+            pattern = env[m.group(1)][m.group(2)]
+        node = _regex_extract(node, pattern, spec.get("group", 1), f"{rel}{spec.get('pointer', '')}")
+        if re.fullmatch(r"[\d,]+", node):
+            node = int(node.replace(",", ""))
+        elif re.fullmatch(r"\d*\.\d+", node):
+            node = float(node)
+    if "map" in spec:
+        node = spec["map"].get(node, node)
+    if spec.get("sum_values"):
+        node = sum(node.values())
+    if spec.get("len"):
+        node = len(node)
+    return node
+
+
+def _ptrs(spec: dict, env: dict, files: _Files, key: str = "pointers") -> list[Any]:
+    """Values at several pointers of one file (``{file, pointers: [...]}`` or ``{file, pointer, over}``)."""
+    rel = _fill(spec["file"], env)
+    if "over" in spec:
+        envs = _expand(spec["over"], env, files, str(spec))
+        ptrs = [_fill(spec["pointer"], e, escape=True) for e in envs]
+    else:
+        ptrs = [_fill(p, env, escape=True) for p in spec[key]]
+    return [files.get(rel, p) for p in ptrs]
+
+
+def _jsonl_rows(spec: dict, env: dict, files: _Files) -> list[dict]:
+    rows, _ = files.load(_fill(spec["file"], env))
+    if not isinstance(rows, list):
+        raise ClaimError(f"{spec['file']}: expected JSON lines")
+    for cond in spec.get("where", []):
+        fieldname = cond["field"]
+        if "equals" in cond:
+            rows = [r for r in rows if r.get(fieldname) == cond["equals"]]
+        if "not_equals" in cond:
+            rows = [r for r in rows if r.get(fieldname) != cond["not_equals"]]
+        if "prefix" in cond:
+            rows = [r for r in rows if str(r.get(fieldname, "")).startswith(cond["prefix"])]
+        if cond.get("not_null"):
+            rows = [r for r in rows if r.get(fieldname) is not None]
+        if "in" in cond or "not_in" in cond:
+            ref = cond.get("in") or cond.get("not_in")
+            vals = set(files.get(ref["file"], ref["pointer"]))
+            keep = "in" in cond
+            rows = [r for r in rows if (r.get(fieldname) in vals) == keep]
+    return rows
+
+
+def _derive_published(d: dict, env: dict, files: _Files) -> Any:
+    op = d["op"]
+    if op == "value":
+        return _published_value(d, env, files, op)
+    if op == "from_env":
+        return _derive_published(env[d["key"]]["derived"], env, files)
+    if op in ("mean", "sum"):
+        vals = _ptrs(d, env, files)
+        return sum(vals) / len(vals) if op == "mean" else sum(vals)
+    if op == "weighted_mean":
+        vals = _ptrs(d["values"], env, files)
+        w = _ptrs(d["weights"], env, files)
+        return sum(v * n for v, n in zip(vals, w)) / sum(w)
+    if op in ("min", "max", "range"):
+        vals = [v for v in _ptrs(d, env, files) if not _is_missing(v)]
+        if op == "min":
+            return min(vals)
+        if op == "max":
+            return max(vals)
+        return (min(vals), max(vals))
+    if op == "literal":
+        return d["value"]
+    if op in ("product", "difference"):
+        parts = [x if isinstance(x, (int, float)) else _derive_published(x, env, files) for x in d["of"]]
+        if op == "difference":
+            return parts[0] - parts[1]
+        out = 1
+        for x in parts:
+            out *= x
+        return out
+    if op == "ratio":
+        return _derive_published(d["num"], env, files) / _derive_published(d["den"], env, files)
+    if op == "len":
+        node = files.get(_fill(d["file"], env), _fill(d.get("pointer", ""), env, escape=True))
+        return len(node)
+    if op == "count_rows":
+        rows = _jsonl_rows(d, env, files)
+        if d.get("distinct"):
+            return len({r.get(d["distinct"]) for r in rows})
+        return len(rows)
+    if op == "holm":
+        from statsmodels.stats.multitest import multipletests
+        envs = _expand(d["over"], env, files, "holm")
+        ps = [files.get(_fill(d["file"], e), _fill(d["pointer"], e, escape=True)) for e in envs]
+        adj = multipletests(ps, method="holm")[1]
+        target = [i for i, e in enumerate(envs) if all(e[k] == env.get(k) for k in d["over"])]
+        return float(adj[target[0]])
+    if op == "clopper_pearson":
+        from scipy.stats import binomtest
+        k = int(_derive_published(d["k"], env, files))
+        n = int(_derive_published(d["n"], env, files))
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+        return [float(ci.low), float(ci.high)]
+    if op == "order":
+        envs = _expand(d["over"], env, files, "order")
+        var = next(iter(d["over"]))
+        vals = [(files.get(_fill(d["file"], e), _fill(d["pointer"], e, escape=True)), e[var]) for e in envs]
+        return [name for _, name in sorted(vals, key=lambda t: t[0], reverse=bool(d.get("descending")))]
+    if op == "same_order":
+        orders = [_derive_published(o, env, files) for o in d["orders"]]
+        return all(o == orders[0] for o in orders)
+    raise ClaimError(f"published check: unknown op {op!r}")
+
+
+def _fmt_pub(v: Any, rule: str) -> str:
+    if isinstance(v, tuple):
+        return RANGE_DASH.join(_fmt_pub(x, rule) for x in v)
+    if isinstance(v, list) and rule != "exact":
+        return "[" + ", ".join(_fmt_pub(x, rule) for x in v) + "]"
+    if isinstance(v, str) and rule != "exact":
+        s = v.strip().replace("-", RANGE_DASH) if re.fullmatch(r"\s*[\d.]+\s*[-–]\s*[\d.]+\s*", v) else v
+        if RANGE_DASH in s:
+            return RANGE_DASH.join(_fmt_pub(float(x), rule) for x in s.split(RANGE_DASH))
+        try:
+            return format_value(float(v), rule)
+        except ValueError:
+            return v
+    return format_value(v, rule)
+
+
+def verify_published(release_dir: str | Path | None = None, registry: str | Path | dict | None = None) -> VerificationResult:
+    """Re-derive the published numbers listed under ``published:`` in the registry."""
+    from .config import resolve_release_dir
+    rel_dir = resolve_release_dir(release_dir)
+    reg = load_registry(registry)
+    specs = reg.get("published") or []
+    if not specs:
+        raise ClaimError("the registry has no 'published' checks")
+    files = _Files(rel_dir)
+    res = VerificationResult(kind="published", target=str(rel_dir))
+    for spec in specs:
+        try:
+            envs = _expand(spec.get("foreach"), {}, files, spec["id"])
+        except ClaimError as e:
+            res.rows.append(CheckRow(id=spec["id"], status="MISMATCH", detail=f"cannot expand: {e}"))
+            continue
+        for env in envs:
+            cid = _fill(spec["id"], env)
+            row = CheckRow(id=cid, status="MISMATCH",
+                           source=_fill(spec.get("describe", ""), env))
+            try:
+                pub = _published_value(spec["published"], env, files, cid)
+                der = _derive_published(spec["derived"], env, files)
+                rule = spec.get("rounding", "exact")
+                row.printed = _fmt_pub(pub, spec.get("published_rounding", rule))
+                row.derived = _fmt_pub(der, rule)
+            except MissingSource as e:
+                if spec.get("skip_missing"):
+                    row.status, row.detail = "N/A", f"not in the release copy: {e}"
+                else:
+                    row.detail = f"cannot re-derive: {e}"
+                res.rows.append(row)
+                continue
+            except ClaimError as e:
+                row.detail = f"cannot re-derive: {e}"
+                res.rows.append(row)
+                continue
+            known = spec.get("known_disagreement")
+            known_ids = spec.get("known_ids")
+            applies = known and (not known_ids or cid in known_ids)
+            tol = spec.get("tolerance")
+            if row.printed != row.derived and tol and isinstance(pub, (int, float)) and isinstance(der, (int, float)) \
+                    and abs(float(pub) - float(der)) <= float(tol) + 1e-12:
+                row.status = "MATCH"
+                row.detail = f"within {tol} (the inputs are themselves rounded): exact {der!r}"
+            elif row.printed == row.derived:
+                row.status = "MATCH"
+                if applies and known_ids:
+                    row.detail = "documented disagreement not reproduced"
+            elif applies:
+                row.status = "NOTE"
+                row.detail = _fill(known, env)
+            else:
+                row.detail = f"published {row.printed!r}, re-derived {row.derived!r}"
+            res.rows.append(row)
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="memtoc verify", description=
+                                 "Re-derive every claim of a run's report from its files (and/or the "
+                                 "published paper's numbers from the release data).")
+    ap.add_argument("run_dir", nargs="?", help="run directory, e.g. outputs/default")
+    ap.add_argument("--published", action="store_true",
+                    help="also (or, without RUN_DIR, only) check the published paper's derivable numbers")
+    ap.add_argument("--release", default=None, help="release directory (default: the usual lookup)")
+    ap.add_argument("--registry", default=None, help="claim registry (default paper/claims.yaml)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+    if not args.run_dir and not args.published:
+        ap.error("give RUN_DIR (e.g. outputs/default) and/or --published")
+    results = []
+    if args.run_dir:
+        results.append(verify(args.run_dir))
+    if args.published:
+        results.append(verify_published(args.release, args.registry))
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1, ensure_ascii=False))
+    else:
+        for r in results:
+            print(f"== {'run ' + r.target if r.kind == 'run' else 'published paper vs ' + r.target}")
+            print(r.table())
+            print(r.summary())
+    return 0 if all(r.ok for r in results) else 1
