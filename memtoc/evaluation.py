@@ -95,22 +95,14 @@ FOUR_CELLS = ("agree", "arb", "tool_gold", "both_wrong")
 PROMPTING_ARMS = ("warn", "prior", "flag")
 PAYLOAD_DEFAULT = "service_unavailable"
 
-# Per-episode metric definitions (PROTOCOL.md §6): metric -> (condition, cells or None = all, flag).
-# ``flag`` is a column of the scored frame, or "kept_strict" = outcome == "kept_memory" (both excluded).
-METRIC_UNITS: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
-    "retention": ("tool_wrong", ("arb",), "kept_strict"),
-    "tool_follow": ("tool_right", ("tool_gold",), "followed_tool"),
-    "wrong_follow": ("tool_wrong", ("both_wrong",), "followed_tool"),
-    "err_abstain": ("tool_error", None, "abstain"),
-    "cra_arb": ("tool_wrong", ("arb",), "final_correct"),
-    "cra_conflict": ("tool_wrong", ("arb", "tool_gold"), "final_correct"),
-    "agree_acc": ("tool_right", ("agree",), "final_correct"),
-    "nc_acc": ("tool_right", ("tool_gold",), "final_correct"),
-    # condition-level rates (no cell filter) used by the frames and noop analyses
-    "correct_value_follow": ("tool_right", None, "followed_tool"),
-    "incorrect_value_follow": ("tool_wrong", None, "followed_tool"),
-    "accuracy": ("*", None, "final_correct"),
-    "abstain": ("*", None, "abstain"),
+# Metrics beyond memtoc.metrics.RATE_METRICS (whose definitions are used for every metric they
+# name): condition-level rates with no cell filter, used by the frames and noop analyses.
+# metric -> (condition or "*" = the condition passed in, flag column)
+EXTRA_METRICS: dict[str, tuple[str, str]] = {
+    "correct_value_follow": ("tool_right", "followed_tool"),
+    "incorrect_value_follow": ("tool_wrong", "followed_tool"),
+    "accuracy": ("*", "final_correct"),
+    "abstain": ("*", "abstain"),
 }
 
 METRIC_DOC = {
@@ -206,11 +198,12 @@ def score_episodes(episodes: Sequence[Episode] | pd.DataFrame, responses: Sequen
                 missing.append(key)
                 continue
             cb = mem.loc[key, "response"]
-            span, absent, correct = scoring.memory_status(cb if isinstance(cb, str) else "", row["gold"], matcher=matcher)
+            span, absent, correct = scoring.memory_status(cb if isinstance(cb, str) else "", row["gold"], matcher=matcher,
+                                                          gold_kind=row.get("gold_kind"))
             status_cache[key] = (span, bool(absent), None if absent else (None if correct is None else bool(correct)))
         span, absent, correct = status_cache[key]
         dec = scoring.score_reply(resp if isinstance(resp, str) else "", row["gold"], row.get("tool_value"),
-                                  "" if absent else span, matcher=matcher)
+                                  "" if absent else span, matcher=matcher, gold_kind=row.get("gold_kind"))
         r = dict(row)
         if model_label is not None:
             r["model"] = model_label
@@ -320,25 +313,536 @@ def _plain(obj: Any) -> Any:
 
 
 def metric_units(df: pd.DataFrame, metric: str, condition: str | None = None) -> pd.DataFrame:
-    """Per-episode 0/1 values of ``metric``: columns ``model, arm, frame, formulation, qkey, value``.
+    """Per-episode 0/1 values of ``metric``: columns ``formulation, qkey, value`` (+ model / arm /
+    frame / payload_kind when present). Rows outside the metric's denominator are dropped.
 
-    ``condition`` overrides the metric's condition (e.g. ``tool_far`` for far retention, ``noop`` for
-    accuracy). Rows outside the metric's denominator are dropped.
+    Metrics of ``memtoc.metrics.RATE_METRICS`` use its definitions exactly. ``condition`` makes the
+    episodes of another condition play the metric's condition (e.g. ``tool_far`` episodes for far
+    retention, ``noop`` for accuracy); it is required for ``accuracy`` and ``abstain``.
     """
-    if metric not in METRIC_UNITS:
-        raise EvaluationError(f"unknown metric {metric!r}; known: {', '.join(METRIC_UNITS)}")
-    cond, cells, flag = METRIC_UNITS[metric]
-    cond = condition or cond
-    if cond == "*":
-        raise EvaluationError(f"metric {metric!r} needs an explicit condition")
-    sub = df[df["condition"] == cond]
-    if cells is not None:
-        sub = sub[sub["cell"].isin(cells)]
-    if flag == "kept_strict":
-        val = (sub["outcome"] == "kept_memory")
+    from . import metrics
+
+    if metric in metrics.SPECS:
+        spec = metrics.SPECS[metric]
+        d = df
+        if condition is not None:
+            d = df[df["condition"] == condition].assign(condition=spec.conditions[0])
+        mask = metrics._mask(d, spec)
+        sub = d[mask]
+        val = metrics.flag_values(sub, spec.flag)
+    elif metric in EXTRA_METRICS:
+        cond, flag = EXTRA_METRICS[metric]
+        cond = condition or cond
+        if cond == "*":
+            raise EvaluationError(f"metric {metric!r} needs an explicit condition")
+        sub = df[df["condition"] == cond]
+        val = sub[flag].astype(object).where(sub[flag].notna(), False).astype(bool).to_numpy()
     else:
-        val = sub[flag].fillna(False).astype(bool)
+        raise EvaluationError(f"unknown metric {metric!r}; known: "
+                              f"{', '.join(list(metrics.METRIC_NAMES) + list(EXTRA_METRICS))}")
     cols = [c for c in ("model", "arm", "frame", "payload_kind", "formulation", "qkey") if c in sub.columns]
     out = sub[cols].copy()
-    out["value"] = val.astype(float).to_numpy()
+    out["value"] = np.asarray(val, dtype=float)
     return out.reset_index(drop=True)
+
+
+# ==================================================================================================
+# statistics primitives (delegating to memtoc.metrics / memtoc.stats)
+
+
+def _interval_obj(value, ci, n) -> dict:
+    ci = None if ci is None else [None if c is None or (isinstance(c, float) and math.isnan(c)) else float(c) for c in ci]
+    v = None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+    return {"value": v if n else None, "ci95": ci if n else None, "n": int(n)}
+
+
+def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int = 2000, seed: int = 0,
+                   alpha: float = 0.05) -> dict:
+    """``{form: interval, ..., "pooled": interval}`` for per-episode 0/1 ``units`` (columns
+    formulation, qkey, value).
+
+    Per formulation: the rate with a question-cluster percentile bootstrap CI
+    (``stats.cluster_bootstrap``). Pooled: the unweighted mean of the formulation rates (the paper's
+    pooling); its CI resamples question clusters jointly across formulations (one draw of questions
+    per replicate, applied to every formulation, since the same question appears in each), and
+    ``n`` is the total number of units. Formulations without units are omitted; pooled uses those
+    present.
+    """
+    from . import stats
+
+    out: dict[str, Any] = {}
+    if len(units) == 0:
+        return out
+    present = [f for f in formulations if (units["formulation"] == f).any()]
+    for f in present:
+        u = units[units["formulation"] == f]
+        r = stats.cluster_bootstrap(u["value"].to_numpy(float), u["qkey"].to_numpy(), n_boot=n_boot,
+                                    seed=seed, alpha=alpha)
+        out[f] = _interval_obj(r["value"], r["ci95"], r["n"])
+    if present:
+        u = units[units["formulation"].isin(present)]
+        labels = np.array(sorted(u["qkey"].unique()))
+        code = {q: i for i, q in enumerate(labels)}
+        k = len(labels)
+        num = np.zeros((k, len(present)))
+        den = np.zeros((k, len(present)))
+        for j, f in enumerate(present):
+            uf = u[u["formulation"] == f]
+            idx = uf["qkey"].map(code).to_numpy()
+            num[:, j] = np.bincount(idx, weights=uf["value"].to_numpy(float), minlength=k)
+            den[:, j] = np.bincount(idx, minlength=k)
+        w = stats.resample_weights(k, n_boot, seed=seed)
+        r = stats.ratio_replicates(num, den, w)                      # (B, F)
+        reps = np.where(np.all(np.isfinite(r), 1), r.mean(1) if r.size else np.nan, np.nan)
+        lo, hi = stats.percentile_ci(reps, alpha) if n_boot else (None, None)
+        value = float(np.mean(num.sum(0) / den.sum(0)))
+        out["pooled"] = _interval_obj(value, [lo, hi], int(den.sum()))
+    return out
+
+
+def paired_units(treat: pd.DataFrame, base: pd.DataFrame) -> pd.DataFrame:
+    """Inner join of two unit tables on (formulation, qkey): the common support of a paired
+    contrast. Columns formulation, qkey, t, b."""
+    t = treat.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("t")
+    b = base.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("b")
+    return pd.concat([t, b], axis=1, join="inner").reset_index()
+
+
+def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 2000, n_perm: int = 10000,
+             seed: int = 0, treatment: str = "", baseline: str = "") -> dict:
+    """Paired contrast treatment − baseline on common support (units (formulation, qkey), clusters
+    qkey): delta, question-cluster bootstrap CI, sign-flip permutation p (``stats.paired_contrast``)."""
+    from . import stats
+
+    pu = paired_units(treat, base)
+    res: dict[str, Any] = {"treatment": treatment, "baseline": baseline, "n_units": int(len(pu)),
+                           "n_clusters": int(pu["qkey"].nunique()) if len(pu) else 0}
+    if len(pu) == 0:
+        res.update(delta=None, ci95=None, p=None, p_holm=None)
+        return res
+    r = stats.paired_contrast(pu["t"].to_numpy(float), pu["b"].to_numpy(float), pu["qkey"].to_numpy(),
+                              n_boot=n_boot, n_perm=n_perm, seed=seed)
+    res.update(delta=r["delta"], ci95=r["ci95"], p=r["p_signflip"], p_holm=None)
+    return _plain(res)
+
+
+def apply_holm(contrasts: dict[str, dict]) -> dict[str, dict]:
+    """Fill ``p_holm`` of a family of contrast objects (keys = family members; missing p skipped)."""
+    from . import stats
+
+    keys = [k for k, c in contrasts.items() if c.get("p") is not None]
+    if keys:
+        adj = stats.holm([contrasts[k]["p"] for k in keys])
+        for k, a in zip(keys, adj):
+            contrasts[k]["p_holm"] = float(a)
+    return contrasts
+
+
+# ==================================================================================================
+# analysis sections (pure: scored frames in, JSON-ready dicts out)
+
+
+def _forms(df: pd.DataFrame, formulations: Sequence[str] | None) -> list[str]:
+    present = set(df["formulation"].unique()) if len(df) else set()
+    order = list(formulations or FORMULATIONS)
+    return [f for f in order if f in present]
+
+
+def _sel(df: pd.DataFrame, arm: str = "untreated", frame: str = "schema",
+         payload_kind: str | None = PAYLOAD_DEFAULT, conditions: Sequence[str] | None = None) -> pd.DataFrame:
+    """Episodes of one arm and frame; tool_error episodes only of ``payload_kind`` (None: all)."""
+    m = (df["arm"] == arm) & (df["frame"] == frame)
+    if payload_kind is not None:
+        m &= (df["condition"] != "tool_error") | (df["payload_kind"].fillna(PAYLOAD_DEFAULT) == payload_kind)
+    if conditions is not None:
+        m &= df["condition"].isin(conditions)
+    return df[m]
+
+
+def _restrict(df: pd.DataFrame, qkeys: Iterable[str]) -> pd.DataFrame:
+    return df[df["qkey"].isin(set(qkeys))]
+
+
+def headline_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                     n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
+    """``{form|pooled: {metric: interval, n_<cell>: int}}`` for one model's untreated, schema-frame,
+    default-payload episodes (every question of the run), from ``metrics.summarize_group``: every
+    metric of ``metrics.RATE_METRICS`` (the four headline ones and the secondary ones) with a
+    question-cluster CI, pooled = unweighted mean over formulations, plus the cell sizes."""
+    from . import metrics
+
+    d = _sel(scored, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
+    if formulations:
+        d = d[d["formulation"].isin(formulations)]
+    if d.empty:
+        return {}
+    return _plain(metrics.summarize_group(d, n_boot=n_boot, seed=seed, alpha=alpha))
+
+
+def cell_counts(scored: pd.DataFrame, formulations: Sequence[str] | None = None) -> dict:
+    """``{form: {cell: n}}``: tool_wrong episodes (untreated, schema) per cell."""
+    d = _sel(scored, conditions=["tool_wrong"])
+    return {f: {c: int(((d["formulation"] == f) & (d["cell"] == c)).sum()) for c in CELLS}
+            for f in _forms(d, formulations)}
+
+
+def source_matrix(scored: pd.DataFrame, formulations: Sequence[str] | None = None) -> dict:
+    """``{form|pooled: {cell: {n, follow_rate, keep_rate, correct_rate}}}`` over the four cells
+    (tool_right + tool_wrong, untreated, schema). Pooled sums the episodes of all formulations."""
+    d = _sel(scored, conditions=["tool_right", "tool_wrong"])
+    forms = _forms(d, formulations)
+    out: dict[str, dict] = {}
+    for f in forms + ["pooled"]:
+        df_ = d if f == "pooled" else d[d["formulation"] == f]
+        out[f] = {}
+        for c in FOUR_CELLS:
+            x = df_[df_["cell"] == c]
+            n = len(x)
+            out[f][c] = {"n": int(n),
+                         "follow_rate": float(x["followed_tool"].mean()) if n else None,
+                         "keep_rate": float(x["kept_memory"].mean()) if n else None,
+                         "correct_rate": float(x["final_correct"].mean()) if n else None}
+    return out
+
+
+def arm_comparison(scored: pd.DataFrame, arms: Sequence[str], metric_names: Sequence[str],
+                   family: str, formulations: Sequence[str] | None = None, n_boot: int = 2000,
+                   n_perm: int = 10000, seed: int = 0) -> dict:
+    """Arms vs untreated on the arms' common support (the questions the arms were run on).
+
+    ``{arm: {form|pooled: {metric: interval}, "contrasts": {metric: contrast}}, "untreated": {...},
+    "n_questions": int}``; Holm within each metric's family across ``arms``."""
+    present = [a for a in arms if (scored["arm"] == a).any()]
+    if not present:
+        return {}
+    qk = set(scored.loc[scored["arm"].isin(present), "qkey"])
+    base = _restrict(_sel(scored), qk)
+    forms = _forms(base, formulations)
+    out: dict[str, Any] = {"n_questions": len(qk), "family": family}
+    out["untreated"] = {}
+    for m in metric_names:
+        for k, v in rate_intervals(metric_units(base, m), forms, n_boot, seed).items():
+            out["untreated"].setdefault(k, {})[m] = v
+    for a in present:
+        da = _sel(scored, arm=a)
+        out[a] = {"contrasts": {}}
+        for m in metric_names:
+            ua = metric_units(da, m)
+            for k, v in rate_intervals(ua, forms, n_boot, seed).items():
+                out[a].setdefault(k, {})[m] = v
+            out[a]["contrasts"][m] = contrast(ua, metric_units(base, m), n_boot, n_perm, seed, a, "untreated")
+    for m in metric_names:
+        fam = {a: out[a]["contrasts"][m] for a in present}
+        apply_holm(fam)
+    return out
+
+
+def add_success(section: dict, alpha: float = 0.05) -> dict:
+    """Add the asymmetric success criterion to each arm of a prompting section (in place):
+    retention up significantly after Holm AND no significant drop in correct-tool following."""
+    from . import stats
+
+    for a, v in section.items():
+        if not isinstance(v, dict) or "contrasts" not in v:
+            continue
+        ret = v["contrasts"].get("retention", {})
+        tf = v["contrasts"].get("tool_follow", {})
+        v["success"] = _plain(stats.success_criterion(ret, tf, alpha=alpha)) if ret and tf else None
+    return section
+
+
+def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                      n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+    """Presentation frames (schema / no_schema / passage), untreated arm: correct-value following
+    (tool_right) and incorrect-value following (tool_wrong) separately, all episodes and
+    cell-restricted; contrasts vs schema on common support (Holm across the two frames)."""
+    frames = [f for f in ("no_schema", "passage") if (scored["frame"] == f).any()]
+    if not frames:
+        return {}
+    mets = ("correct_value_follow", "incorrect_value_follow", "tool_follow", "wrong_follow")
+    qk = set(scored.loc[scored["frame"].isin(frames), "qkey"])
+    base = _restrict(_sel(scored, conditions=["tool_right", "tool_wrong"]), qk)
+    forms = _forms(base, formulations)
+    out: dict[str, Any] = {"n_questions": len(qk), "schema": {}}
+    for m in mets:
+        for k, v in rate_intervals(metric_units(base, m), forms, n_boot, seed).items():
+            out["schema"].setdefault(k, {})[m] = v
+    for fr in frames:
+        d = _sel(scored, frame=fr)
+        out[fr] = {"contrasts": {}}
+        for m in mets:
+            u = metric_units(d, m)
+            for k, v in rate_intervals(u, forms, n_boot, seed).items():
+                out[fr].setdefault(k, {})[m] = v
+            out[fr]["contrasts"][m] = contrast(u, metric_units(base, m), n_boot, n_perm, seed, fr, "schema")
+    for m in mets:
+        apply_holm({fr: out[fr]["contrasts"][m] for fr in frames})
+    return out
+
+
+def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                   n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+    """Far vs near incorrect values on common support ((formulation, qkey) with both): retention
+    and incorrect-tool following; contrasts far − near, Holm over the two metrics."""
+    far = _sel(scored, conditions=["tool_far"])
+    if far.empty:
+        return {}
+    near = _sel(scored, conditions=["tool_wrong"])
+    common = pd.merge(far[["formulation", "qkey"]].drop_duplicates(), near[["formulation", "qkey"]].drop_duplicates())
+    keep = set(map(tuple, common.to_numpy()))
+
+    def cs(d):
+        return d[[(f, q) in keep for f, q in zip(d["formulation"], d["qkey"])]]
+
+    far, near = cs(far), cs(near)
+    forms = _forms(near, formulations)
+    out: dict[str, Any] = {"n_common": int(common["qkey"].nunique()), "near": {}, "far": {}, "contrasts": {}}
+    for m in ("retention", "wrong_follow", "incorrect_value_follow"):
+        un = metric_units(near, m, condition="tool_wrong")
+        uf = metric_units(far, m, condition="tool_far")
+        for k, v in rate_intervals(un, forms, n_boot, seed).items():
+            out["near"].setdefault(k, {})[m] = v
+        for k, v in rate_intervals(uf, forms, n_boot, seed).items():
+            out["far"].setdefault(k, {})[m] = v
+        out["contrasts"][m] = contrast(uf, un, n_boot, n_perm, seed, "far", "near")
+    apply_holm({m: out["contrasts"][m] for m in ("retention", "wrong_follow")})
+    return out
+
+
+def payload_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                       n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+    """Error-abstention per tool_error payload kind; contrasts vs the paper's default payload
+    (service_unavailable) on common support, Holm across the other kinds."""
+    d = _sel(scored, payload_kind=None, conditions=["tool_error"])
+    kinds = [k for k in d["payload_kind"].fillna(PAYLOAD_DEFAULT).unique() if k != PAYLOAD_DEFAULT]
+    if not kinds:
+        return {}
+    d = d.assign(payload_kind=d["payload_kind"].fillna(PAYLOAD_DEFAULT))
+    qk = set(d.loc[d["payload_kind"].isin(kinds), "qkey"])
+    d = _restrict(d, qk)
+    forms = _forms(d, formulations)
+    out: dict[str, Any] = {"n_questions": len(qk), "contrasts": {}}
+    units = {k: metric_units(d[d["payload_kind"] == k], "err_abstain") for k in [PAYLOAD_DEFAULT] + sorted(kinds)}
+    for k, u in units.items():
+        out[k] = {f: {"err_abstain": v} for f, v in rate_intervals(u, forms, n_boot, seed).items()}
+    for k in sorted(kinds):
+        out["contrasts"][k] = contrast(units[k], units[PAYLOAD_DEFAULT], n_boot, n_perm, seed, k, PAYLOAD_DEFAULT)
+    apply_holm(out["contrasts"])
+    return out
+
+
+def noop_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                    n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+    """NoopTool control vs no_tool (the closed-book answer): answer accuracy and abstention over
+    all episodes, on common support; contrasts noop − no_tool, Holm over the two metrics."""
+    noop = _sel(scored, conditions=["noop"])
+    if noop.empty:
+        return {}
+    nt = _restrict(_sel(scored, conditions=["no_tool"]), set(noop["qkey"]))
+    forms = _forms(noop, formulations)
+    out: dict[str, Any] = {"n_questions": int(noop["qkey"].nunique()), "noop": {}, "no_tool": {}, "contrasts": {}}
+    for m in ("accuracy", "abstain"):
+        un = metric_units(noop, m, condition="noop")
+        ut = metric_units(nt, m, condition="no_tool")
+        for k, v in rate_intervals(un, forms, n_boot, seed).items():
+            out["noop"].setdefault(k, {})[m] = v
+        for k, v in rate_intervals(ut, forms, n_boot, seed).items():
+            out["no_tool"].setdefault(k, {})[m] = v
+        out["contrasts"][m] = contrast(un, ut, n_boot, n_perm, seed, "noop", "no_tool")
+    apply_holm(out["contrasts"])
+    return out
+
+
+def point_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
+                  metric_names: Sequence[str] = HEADLINE_METRICS) -> dict:
+    """``{form|pooled: {metric: value|None}}`` without intervals (untreated, schema, default payload)."""
+    d = _sel(scored)
+    forms = _forms(d, formulations)
+    out: dict[str, dict] = {}
+    for f in forms:
+        out[f] = {}
+        for m in metric_names:
+            u = metric_units(d[d["formulation"] == f], m)
+            out[f][m] = float(u["value"].mean()) if len(u) else None
+    out["pooled"] = {}
+    for m in metric_names:
+        vals = [out[f][m] for f in forms if out[f][m] is not None]
+        out["pooled"][m] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def matcher_sensitivity(scored: pd.DataFrame, memory: pd.DataFrame, formulations: Sequence[str] | None = None,
+                        metric_names: Sequence[str] = HEADLINE_METRICS + ("cra_conflict",)) -> dict:
+    """Re-score the same replies with ``matcher="strict"`` (memory status too) and report the
+    headline metric values under both matchers: ``{form|pooled: {metric: {paper, strict, delta}}}``,
+    plus ``changed_decisions``: the share of episodes whose followed_tool / kept_memory /
+    final_correct / cell differs."""
+    d = _sel(scored)
+    paper = d if (d.get("matcher") is None or (d["matcher"] == "paper").all()) else \
+        score_episodes(d, d["response"].tolist(), memory, matcher="paper", model_label=None)
+    strict = score_episodes(d, d["response"].tolist(), memory, matcher="strict", model_label=None)
+    pp, ss = point_metrics(paper, formulations, metric_names), point_metrics(strict, formulations, metric_names)
+    out: dict[str, Any] = {}
+    for f in pp:
+        out[f] = {}
+        for m in metric_names:
+            a, b = pp[f].get(m), ss.get(f, {}).get(m)
+            out[f][m] = {"paper": a, "strict": b, "delta": None if a is None or b is None else b - a}
+    ch = {}
+    for col in ("followed_tool", "kept_memory", "final_correct", "cell"):
+        x = paper[col].astype(object).where(paper[col].notna(), None).to_numpy()
+        y = strict[col].astype(object).where(strict[col].notna(), None).to_numpy()
+        ch[col] = float(np.mean([a != b for a, b in zip(x, y)])) if len(x) else None
+    out["changed_decisions"] = ch
+    out["n_episodes"] = int(len(d))
+    return _plain(out)
+
+
+# ==================================================================================================
+# the whole summary, tidy tables, files
+
+
+def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
+                  formulations: Sequence[str] | None = None, n_boot: int = 2000, n_perm: int = 10000,
+                  seed: int = 0, alpha: float = 0.05) -> dict:
+    """Every analysis of one model's scored frame (see the module docstring for the layout)."""
+    kw = dict(formulations=formulations, n_boot=n_boot, n_perm=n_perm, seed=seed)
+    head = _sel(scored)
+    extra_q = set(scored.loc[(scored["arm"] != "untreated") | (scored["frame"] != "schema")
+                             | ~scored["condition"].isin(["tool_right", "tool_wrong", "tool_error", "no_tool"])
+                             | (scored["payload_kind"].fillna(PAYLOAD_DEFAULT) != PAYLOAD_DEFAULT), "qkey"])
+    out: dict[str, Any] = {
+        "n_questions": {"headline": int(head["qkey"].nunique()), "extra": len(extra_q)},
+        "n_episodes": int(len(scored)),
+        "headline": headline_metrics(scored, formulations, n_boot=n_boot, seed=seed, alpha=alpha),
+        "cells": cell_counts(scored, formulations),
+        "source_matrix": source_matrix(scored, formulations),
+    }
+    mets = ("retention", "tool_follow", "wrong_follow", "err_abstain")
+    prompting = arm_comparison(scored, PROMPTING_ARMS, mets, "prompting", **kw)
+    if prompting:
+        out["prompting"] = add_success(prompting, alpha)
+    protocol = arm_comparison(scored, ("no_protocol_sentence",), mets, "protocol", **kw)
+    if protocol:
+        out["protocol"] = protocol
+    for name, fn in (("frames", frames_comparison), ("far", far_comparison),
+                     ("payloads", payload_comparison), ("noop", noop_comparison)):
+        sec = fn(scored, **kw)
+        if sec:
+            out[name] = sec
+    if memory is not None and "response" in scored.columns:
+        out["matcher_sensitivity"] = matcher_sensitivity(scored, memory, formulations)
+    return _plain(out)
+
+
+def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = HEADLINE_METRICS) -> dict:
+    """Ranking stability of the models on each headline metric (``stats.ranking_stability``): an
+    ordering counts only if it holds pooled and under every formulation."""
+    from . import stats
+
+    out = {}
+    for m in metric_names:
+        pooled = {mod: s["headline"].get("pooled", {}).get(m, {}).get("value") for mod, s in model_summaries.items()}
+        forms = sorted({f for s in model_summaries.values() for f in s["headline"] if f != "pooled"},
+                       key=lambda f: FORMULATIONS.index(f) if f in FORMULATIONS else 99)
+        per = {f: {mod: s["headline"].get(f, {}).get(m, {}).get("value") for mod, s in model_summaries.items()}
+               for f in forms}
+        out[m] = _plain(stats.ranking_stability(per, pooled))
+    return out
+
+
+def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model: dict[str, pd.DataFrame] | None,
+                       P: dict) -> dict:
+    """The content of ``summaries/evaluation.json`` for a run (``P`` = the run's parameters)."""
+    forms = list(P.get("formulations") or FORMULATIONS)
+    kw = dict(formulations=forms, n_boot=int(P.get("n_boot", 2000)), n_perm=int(P.get("n_perm", 10000)),
+              seed=0, alpha=float(P.get("alpha", 0.05)))
+    models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
+    return _plain({
+        "schema_version": SCHEMA_VERSION,
+        "run_name": P.get("run_name"),
+        "matcher": P.get("matcher", "paper"),
+        "n_boot": kw["n_boot"], "n_perm": kw["n_perm"], "alpha": kw["alpha"], "seed": kw["seed"],
+        "formulations": forms,
+        "metrics": METRIC_DOC,
+        "models": models,
+        "ranking_stability": ranking_section(models),
+    })
+
+
+def write_summary(summary: dict, run_dir) -> Path:
+    path = Path(run_dir) / "summaries" / "evaluation.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_plain(summary), indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def headline_table(summary: dict, section: str = "headline") -> pd.DataFrame:
+    """Tidy rows (model, formulation, metric, value, lo, hi, n) of ``models/<m>/<section>``."""
+    rows = []
+    for model, s in summary["models"].items():
+        for form, mets in (s.get(section) or {}).items():
+            if not isinstance(mets, dict):
+                continue
+            for metric, iv in mets.items():
+                if isinstance(iv, dict) and "value" in iv:
+                    ci = iv.get("ci95") or [None, None]
+                    rows.append({"model": model, "formulation": form, "metric": metric, "value": iv["value"],
+                                 "lo": ci[0], "hi": ci[1], "n": iv["n"]})
+    return pd.DataFrame(rows, columns=["model", "formulation", "metric", "value", "lo", "hi", "n"])
+
+
+def arms_table(summary: dict, section: str) -> pd.DataFrame:
+    """Tidy rows (model, arm, formulation, metric, value, lo, hi, n) of an arm-style section
+    (prompting, protocol, frames, far, payloads, noop)."""
+    rows = []
+    for model, s in summary["models"].items():
+        for arm, body in (s.get(section) or {}).items():
+            if not isinstance(body, dict) or arm == "contrasts":
+                continue
+            for form, mets in body.items():
+                if form in ("contrasts", "success") or not isinstance(mets, dict):
+                    continue
+                for metric, iv in mets.items():
+                    if isinstance(iv, dict) and "value" in iv:
+                        ci = iv.get("ci95") or [None, None]
+                        rows.append({"model": model, "arm": arm, "formulation": form, "metric": metric,
+                                     "value": iv["value"], "lo": ci[0], "hi": ci[1], "n": iv["n"]})
+    return pd.DataFrame(rows, columns=["model", "arm", "formulation", "metric", "value", "lo", "hi", "n"])
+
+
+def contrast_table(summary: dict, section: str = "prompting") -> pd.DataFrame:
+    """Tidy rows (model, arm, metric, delta, lo, hi, p, p_holm, n_units, n_clusters) of the
+    contrasts in a section."""
+    rows = []
+
+    def add(model, arm, metric, c):
+        ci = c.get("ci95") or [None, None]
+        rows.append({"model": model, "arm": arm, "metric": metric, "delta": c.get("delta"), "lo": ci[0],
+                     "hi": ci[1], "p": c.get("p"), "p_holm": c.get("p_holm"),
+                     "n_units": c.get("n_units"), "n_clusters": c.get("n_clusters")})
+
+    for model, s in summary["models"].items():
+        sec = s.get(section) or {}
+        for arm, body in sec.items():
+            if not isinstance(body, dict):
+                continue
+            if arm == "contrasts":  # far / payloads / noop: contrasts at section level
+                for metric, c in body.items():
+                    add(model, section, metric, c)
+            elif "contrasts" in body:
+                for metric, c in body["contrasts"].items():
+                    add(model, arm, metric, c)
+    return pd.DataFrame(rows, columns=["model", "arm", "metric", "delta", "lo", "hi", "p", "p_holm",
+                                       "n_units", "n_clusters"])
+
+
+def success_table(summary: dict) -> pd.DataFrame:
+    rows = []
+    for model, s in summary["models"].items():
+        for arm, body in (s.get("prompting") or {}).items():
+            if isinstance(body, dict) and body.get("success"):
+                rows.append({"model": model, "arm": arm, **body["success"]})
+    return pd.DataFrame(rows)
