@@ -405,3 +405,130 @@ def toolhop_pool(path) -> tuple[list[SubQuestion], dict[str, int]]:
     counts.update(after_dedup=len(dd), duplicates_removed=len(subs) - len(dd), after_factual_filter=len(kept),
                   nonfactual_removed=len(dd) - len(kept), chains_kept=len({s.instance_id for s in kept}))
     return kept, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction notebook helpers (tables, figure, summary file)
+
+_COUNT_ROWS = (
+    ("pool", "construction pool (questions)"), ("chains", "ToolHop chains"),
+    ("analysis", "analysis set (pool - EXCLUDE)"), ("pass", "semantic review: PASS"),
+    ("repaired", "semantic review: REPAIR (near replaced)"), ("excluded", "semantic review: EXCLUDE"),
+    ("human", "distractor branch: human-authored"), ("generated", "distractor branch: generator-built"),
+    ("far_pool", "far value available (pool)"), ("far_analysis", "far value available (analysis set)"),
+    ("episodes_core", "evaluation episodes (542 x 4 conditions x 3 formulations)"),
+)
+
+
+def counts_table(counts: dict[str, Any]):
+    """memtoc's counts beside the paper's, as a pandas DataFrame (columns memtoc, paper, match)."""
+    import pandas as pd
+
+    from .benchmark import PAPER_COUNTS
+    flat = dict(counts)
+    if "episodes" in counts:
+        flat["episodes_core"] = counts["episodes"]["core"]
+    rows = []
+    for key, label in _COUNT_ROWS:
+        ours, paper = flat.get(key), PAPER_COUNTS.get(key)
+        rows.append({"count": label, "key": key, "memtoc": ours, "paper": paper, "match": ours == paper})
+    fq = sorted(counts["folds_questions"].values())
+    fc = sorted(counts["folds_chains"].values())
+    rows.append({"count": "cross-fitting folds: questions", "key": "folds_questions", "memtoc": f"{fq[0]}/{fq[-1]}",
+                 "paper": f"{PAPER_COUNTS['fold_questions_small']}/{PAPER_COUNTS['fold_questions_large']}",
+                 "match": fq == [PAPER_COUNTS["fold_questions_small"], PAPER_COUNTS["fold_questions_large"]]})
+    rows.append({"count": "cross-fitting folds: chains", "key": "folds_chains", "memtoc": f"{fc[0]}/{fc[-1]}",
+                 "paper": f"{PAPER_COUNTS['fold_chains_small']}/{PAPER_COUNTS['fold_chains_large']}",
+                 "match": fc == [PAPER_COUNTS["fold_chains_small"], PAPER_COUNTS["fold_chains_large"]]})
+    return pd.DataFrame(rows).set_index("count")
+
+
+def distribution_table(questions: Iterable[Question], attr: str):
+    """Counts and shares of ``attr`` (gold_kind or family) in the pool and in the analysis set,
+    with the far-value coverage of each group in the analysis set."""
+    import pandas as pd
+
+    qs = list(questions)
+    rows = []
+    for v in sorted({getattr(q, attr) for q in qs}):
+        pool = [q for q in qs if getattr(q, attr) == v]
+        an = [q for q in pool if not q.excluded]
+        rows.append({attr: v, "pool": len(pool), "analysis": len(an),
+                     "analysis_share": len(an) / max(1, sum(not q.excluded for q in qs)),
+                     "far_analysis": sum(q.far is not None for q in an),
+                     "repaired": sum(q.repaired for q in pool), "excluded": sum(q.excluded for q in pool)})
+    df = pd.DataFrame(rows).set_index(attr).sort_values("pool", ascending=False)
+    return df
+
+
+def plot_answer_types(questions: Iterable[Question], path) -> Path:
+    """Seaborn bar chart of the answer-type distribution (pool vs analysis set), saved to ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    qs = list(questions)
+    pool_label = f"pool ({len(qs)})"
+    an_label = f"analysis set ({sum(not q.excluded for q in qs)})"
+    rows = [{"answer type": q.gold_kind, "set": pool_label} for q in qs]
+    rows += [{"answer type": q.gold_kind, "set": an_label} for q in qs if not q.excluded]
+    df = pd.DataFrame(rows).groupby(["answer type", "set"], as_index=False).size().rename(columns={"size": "n"})
+    order = df[df["set"] == pool_label].sort_values("n", ascending=False)["answer type"].tolist()
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    sns.barplot(data=df, x="answer type", y="n", hue="set", order=order, hue_order=[pool_label, an_label], ax=ax)
+    for c in ax.containers:
+        ax.bar_label(c, fontsize=7)
+    ax.set_ylabel("questions")
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.set_title("MemToC answer types")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def episode_table(episodes):
+    """Episode counts by condition, frame, arm and payload kind (columns: formulations)."""
+    import pandas as pd
+
+    df = pd.DataFrame([{"condition": e.condition, "frame": e.frame, "arm": e.arm,
+                        "payload_kind": e.payload_kind or "-", "formulation": e.formulation} for e in episodes])
+    if df.empty:
+        return df
+    return df.pivot_table(index=["condition", "frame", "arm", "payload_kind"], columns="formulation",
+                          aggfunc="size", fill_value=0)
+
+
+def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
+    """The content of ``summaries/construction.json``: counts, paper counts, QC, generator share,
+    and the run's episode counts."""
+    from collections import Counter as _C
+
+    from .benchmark import PAPER_COUNTS
+    counts = bench.counts()
+    qc = qc_report(bench.questions)
+    rep = reproduce_nonentity(bench.questions, seed=PAPER_SEED)
+    out = {
+        "counts": counts,
+        "paper": dict(PAPER_COUNTS),
+        "matches_paper": {k: counts.get(k) == v for k, v in PAPER_COUNTS.items() if k in counts},
+        "qc": {k: v for k, v in qc.items() if k != "failures"},
+        "generator": {k: v for k, v in rep.items() if k != "mismatches"} | {"n_mismatches": len(rep["mismatches"])},
+        "generator_share": rep["generator_branch"]["both"]["share"],
+        "files": bench.files,
+    }
+    if run_episodes_list is not None:
+        eps = list(run_episodes_list)
+        out["run_episodes"] = {
+            "total": len(eps),
+            "by_formulation": dict(_C(e.formulation for e in eps)),
+            "by_condition": dict(_C(e.condition for e in eps)),
+            "by_arm_key": dict(_C(e.arm_key for e in eps)),
+            "questions": len({e.qkey for e in eps}),
+            "schema_kinds": dict(_C(e.schema_kind for e in eps)),
+        }
+    return out

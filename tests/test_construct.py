@@ -126,3 +126,22 @@ def test_toolhop_bad_input(tmp_path):
     p.write_text(json.dumps([{"id": 0, "question": "q"}]))
     with pytest.raises(DataError, match="chain 0 has no sub-questions"):
         cs.flatten_toolhop(p)
+
+
+def test_notebook_helpers(bench, tmp_path):
+    from memtoc.config import load_params
+    from memtoc.episodes import run_episodes
+    table = cs.counts_table(bench.counts())
+    assert table["match"].all(), table[~table["match"]]
+    assert table.loc["analysis set (pool - EXCLUDE)", "memtoc"] == 542
+    dist = cs.distribution_table(bench.questions, "gold_kind")
+    assert dist["pool"].sum() == 575 and dist["analysis"].sum() == 542 and dist["far_analysis"].sum() == 443
+    P = load_params(None, {"n_questions": 3, "n_questions_extra": 2})
+    eps = run_episodes(bench, P)
+    s = cs.construction_summary(bench, eps)
+    assert s["generator_share"] == 1.0 and s["counts"]["episodes"]["core"] == 6504
+    assert s["run_episodes"]["questions"] == 3 and all(s["matches_paper"].values())
+    json.dumps(s)  # serialisable as is
+    png = cs.plot_answer_types(bench.questions, tmp_path / "figures" / "answer_types.png")
+    assert png.stat().st_size > 10_000
+    assert set(cs.episode_table(eps).columns) == {"reference", "paraphrase_a", "paraphrase_b"}
