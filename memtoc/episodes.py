@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .config import FORMULATIONS, ConfigError, DataError, check_choices
+from .config import FORMULATIONS, PAPER_SEED, ConfigError, DataError, check_choices
 from .prompts import (ARMS, FRAMES, NOOP_OUTPUT, PAYLOAD_KINDS, closed_book_prompt, error_payload,
                       synthesize_schema, value_output, with_tool_prompt)
 from .records import Episode, Question, dumps
@@ -190,7 +190,7 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     """
     from .benchmark import select_questions
 
-    seed = P.get("seed")
+    seed = P.get("seed", PAPER_SEED)
     forms = list(P.get("formulations") or FORMULATIONS)
     sel = select_questions(benchmark.analysis, max(P["n_questions"], P.get("n_questions_extra", 0)), seed)
     head, extra = sel[:P["n_questions"]], sel[:P.get("n_questions_extra", 0)]

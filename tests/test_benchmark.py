@@ -202,3 +202,14 @@ def test_cli_missing_release_is_one_line_error(tmp_path, capsys):
     assert main(["benchmark", "--release", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err
     assert "error" in err and "MEMTOC_RELEASE" in err and "Traceback" not in err
+
+
+def test_episodes_use_the_repaired_near_and_identical_question_text(bench):
+    from memtoc.episodes import build_episodes
+    q = bench.by_qkey[REJUVELAC]
+    eps = build_episodes([q], ["reference", "paraphrase_a", "paraphrase_b"], ["tool_wrong", "no_tool"])
+    wrong = [e for e in eps if e.condition == "tool_wrong"]
+    assert all(e.tool_value == "Adelle Davis" and '{"result": "Adelle Davis"}' in e.prompt for e in wrong)
+    assert all("Sylvia Nasar" not in e.prompt for e in eps)
+    assert {e.question for e in eps} == {q.question}
+    assert all(e.prompt.endswith(q.question + "\n") for e in eps)
