@@ -375,9 +375,15 @@ def _load_official(root: Path) -> Benchmark:
     for i, row in enumerate(rows):
         where = f"{mpath}, record {i}"
         row = dict(row)
+        key_field = row.pop("_key", None)           # the mapping was keyed by id or by qkey
+        if key_field is not None:
+            if re.match(r"^\d+[.-]\d+$", str(key_field)):
+                row.setdefault("id", str(key_field))
+            else:
+                row.setdefault("qkey", str(key_field))
         if "instance_id" not in row and "instance" not in row:
             # ids like "12.0" or "12-0"
-            m = re.match(r"^(\d+)[.-](\d+)$", str(row.get("id", row.get("_key", ""))))
+            m = re.match(r"^(\d+)[.-](\d+)$", str(row.get("id", "")))
             if m:
                 row["instance_id"], row["hop_idx"] = int(m.group(1)), int(m.group(2))
         try:
@@ -485,7 +491,10 @@ def _format_counts(c: dict[str, Any]) -> str:
                        ("human", "human-authored distractors"), ("generated", "generator-built distractors"),
                        ("chains", "chains (ToolHop instances)")):
         lines.append(f"  {label:<32} {c[key]:>6}   (paper {paper.get(key, '-')})")
-    lines.append(f"  {'folds: questions':<32} {c['folds_questions']}   chains {c['folds_chains']}")
+    fq, fc = c["folds_questions"], c["folds_chains"]
+    lines.append(f"  {'cross-fitting folds (0 / 1)':<32} {' / '.join(map(str, fq.values()))} questions, "
+                 f"{' / '.join(map(str, fc.values()))} chains   (paper {paper['fold_questions_small']}/"
+                 f"{paper['fold_questions_large']}, {paper['fold_chains_small']}/{paper['fold_chains_large']})")
     lines.append("  answer types (pool): " + ", ".join(f"{k} {v}" for k, v in c["answer_types"].items()))
     lines.append("  families (pool):     " + ", ".join(f"{k} {v}" for k, v in c["families"].items()))
     if "episodes" in c:

@@ -131,7 +131,7 @@ def test_overlay_inconsistent_with_table_is_reported(release, tmp_path):
         bm.load_benchmark(d)
 
 
-def _official_fixture(release, tmp_path, n_chains=12):
+def _official_fixture(release, tmp_path, n_chains=12, keyed=False):
     """A small synthetic release in the official layout, built from the first chains of the table."""
     rows = [json.loads(l) for l in (release / "questions_575.jsonl").read_text().splitlines()]
     chains = sorted({r["instance_id"] for r in rows})[:n_chains]
@@ -145,6 +145,8 @@ def _official_fixture(release, tmp_path, n_chains=12):
     (root / "benchmark").mkdir()
     mapping = [{k: r[k] for k in ("qkey", "instance_id", "hop_idx", "gold_answer", "gold_kind", "family",
                                   "final_near", "far", "source", "method")} for r in rows]
+    if keyed:  # a mapping keyed by qkey instead of a list
+        mapping = {m["qkey"]: {k: v for k, v in m.items() if k != "qkey"} for m in mapping}
     (root / "results/construction/distractor_mapping_575.json").write_text(json.dumps(mapping))
     (root / "results/quality_control/analysis_set_lists.json").write_text(json.dumps(
         {"exclude_qkeys": [k for k in qc["exclude_qkeys"] if k in keys],
@@ -164,8 +166,9 @@ def _official_fixture(release, tmp_path, n_chains=12):
     return root, rows, overlay
 
 
-def test_official_layout_fixture(release, tmp_path):
-    root, rows, overlay = _official_fixture(release, tmp_path)
+@pytest.mark.parametrize("keyed", [False, True])
+def test_official_layout_fixture(release, tmp_path, keyed):
+    root, rows, overlay = _official_fixture(release, tmp_path, keyed=keyed)
     b = bm.load_benchmark(root)
     assert b.layout == "official" and len(b.questions) == len(rows)
     q = b.questions[0]
