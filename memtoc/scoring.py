@@ -27,6 +27,8 @@ Two matchers:
         but not "Thomas"); a longer answer matches when its tokens are an in-order subsequence of
         the target's that keeps the first and last tokens (middle names dropped: "John Smith" for
         "John Michael Smith"). Without a kind the rule is off and a surname alone does not match.
+        The rule only applies to target forms without parentheses ("Boy (album)" mislabelled as a
+        person does not let the alias "album" of "October (album)" pass as a surname).
     S6. Years and dates: a bare-year answer matches only a bare-year target ("1950" no longer
         matches "March 3, 1950"). A bare-date target matches only an answer that states the same
         (year, month, day) or contains the target's tokens. Date recognition is more tolerant than
@@ -247,14 +249,15 @@ def _is_subsequence(small: list[str], big: list[str]) -> bool:
     return all(tok in it for tok in small)
 
 
-def _strict_pair(a: list[str], t: list[str], kind: Optional[str], whole: bool) -> bool:
+def _strict_pair(a: list[str], t: list[str], kind: Optional[str], whole: bool, name_like: bool) -> bool:
     """``whole``: ``t`` is the full target (a verbose answer may contain it); otherwise ``t`` is a
-    secondary form (comma head, target without its disambiguator) that the answer must equal."""
+    secondary form (comma head, target without its disambiguator) that the answer must equal.
+    ``name_like``: the target form has no parenthetical, so the person rule may apply."""
     if not a or not t:
         return False
     if a == t or (whole and _has_run(a, t)):                # S3 / S4a / S4b
         return True
-    if kind == "person" and len(t) > 1 and _is_subsequence(a, t):   # S5
+    if kind == "person" and name_like and len(t) > 1 and _is_subsequence(a, t):   # S5
         if len(a) == 1:
             return a[0] == t[-1]
         return a[0] == t[0] and a[-1] == t[-1]
@@ -271,13 +274,15 @@ def _match_strict(answer: str, target: str, kind: Optional[str] = None) -> bool:
     if tdate is not None:                                    # S6: a bare-date target
         return tdate in find_dates(answer, strict=True)[0] or any(
             _has_run(a, t_full.split(" ")) for a in a_forms)
-    t_forms = [(t_full.split(" "), True)]
+    t_forms = [(t_full.split(" "), True, "(" not in target)]
     if "," in target:                                        # S4a: head before the first comma
-        t_forms.append((canon_strict(target.split(",", 1)[0]).split(" "), False))
+        head = target.split(",", 1)[0]
+        t_forms.append((canon_strict(head).split(" "), False, "(" not in head))
     stripped = re.sub(r"\([^()]*\)\s*$", "", target).strip()
     if stripped != target.strip():                           # S4b: trailing disambiguator
-        t_forms.append((canon_strict(stripped).split(" "), False))
-    return any(_strict_pair(a, t, kind, whole) for a in a_forms for t, whole in t_forms if t != [""])
+        t_forms.append((canon_strict(stripped).split(" "), False, "(" not in stripped))
+    return any(_strict_pair(a, t, kind, whole, name_like)
+               for a in a_forms for t, whole, name_like in t_forms if t != [""])
 
 
 def match(answer: Optional[str], target: Optional[str], matcher: str = "paper",
