@@ -55,7 +55,7 @@ PERMISSIVE_SENTENCE = {
 # anyway" / "always provide a concrete guess"), in the register of each paraphrase.
 FORCED_SENTENCE = {
     "reference": "Even if you are not sure, commit to your single best guess — do not refuse and do not say you don't know.",
-    "paraphrase_a": "If unsure, give the most likely answer anyway — do not refuse and do not say UNKNOWN.",
+    "paraphrase_a": "If unsure, give the most likely answer anyway — do not refuse.",
     "paraphrase_b": "Always provide a concrete guess; not knowing is not an acceptable answer.",
 }
 FINAL_LINE = {
