@@ -199,3 +199,15 @@ def test_templates_match_the_release_formulations_file():
     assert prompts.closed_book_prompt("{question}", "reference", "forced") == f["reference"]["closed_book_forced"]
     want = f["reference"]["with_tool_passage"].replace("{tool_output}", OUT_JSON).replace("{question}", Q)
     assert prompts.with_tool_prompt(Q, "reference", SCHEMA, OUT, frame="passage") == want
+
+
+def test_forced_paraphrase_prompts_byte_exact():
+    # written for memtoc (not in the release): pinned so that a change is deliberate
+    assert prompts.closed_book_prompt(Q, "paraphrase_a") == (
+        "Relying solely on what you already know (no tools, no lookup), answer the question. If unsure, give "
+        "the most likely answer anyway — do not refuse.\nFinish with a single line that starts with 'FINAL: ' "
+        f"and then your answer.\nQ: {Q}\n")
+    assert prompts.closed_book_prompt(Q, "paraphrase_b") == (
+        "From memory only, what is the answer? Do not use any external source. Always provide a concrete "
+        "guess; not knowing is not an acceptable answer.\nYour last line must start with 'FINAL: ' followed "
+        f"by the answer itself.\nQuestion: {Q}\n")
