@@ -530,7 +530,8 @@ class VerificationResult:
         return pd.DataFrame([asdict(r) for r in self.rows])
 
 
-def verify(run_dir: str | Path, check_report: bool = True) -> VerificationResult:
+def verify(run_dir: str | Path, check_report: bool = True,
+           registry: str | Path | dict | None = None) -> VerificationResult:
     """Re-derive every claim of ``<run_dir>/paper/claims.json`` from its file and diff it."""
     run_dir = Path(run_dir)
     claims, _doc = read_claims(run_dir)
@@ -560,7 +561,27 @@ def verify(run_dir: str | Path, check_report: bool = True) -> VerificationResult
         res.rows.append(row)
     if check_report:
         res.rows += _check_report(run_dir, claims)
+        res.rows.append(_check_registry(run_dir, claims, registry))
     return res
+
+
+def _check_registry(run_dir: Path, claims: list[Claim], registry: str | Path | dict | None) -> CheckRow:
+    """Every claim the registry yields on the run's current files must be in claims.json."""
+    row = CheckRow(id="report:registry", status="FAIL", source=str(registry or "paper/claims.yaml"))
+    try:
+        expected, _ = resolve_all(run_dir, registry)
+    except ClaimError as e:
+        row.detail = f"the registry does not resolve on this run: {e}"
+        return row
+    have = {c.id for c in claims}
+    missing = [c.id for c in expected if c.id not in have]
+    row.printed = f"{len(expected) - len(missing)}/{len(expected)}"
+    if missing:
+        row.detail = ("registry claims absent from claims.json (rebuild the report): "
+                      + ", ".join(missing[:10]) + (" …" if len(missing) > 10 else ""))
+    else:
+        row.status = "PASS"
+    return row
 
 
 def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
@@ -819,7 +840,7 @@ def cli(argv: list[str]) -> int:
         ap.error("give RUN_DIR (e.g. outputs/default) and/or --published")
     results = []
     if args.run_dir:
-        results.append(verify(args.run_dir))
+        results.append(verify(args.run_dir, registry=args.registry))
     if args.published:
         results.append(verify_published(args.release, args.registry))
     if args.json:
