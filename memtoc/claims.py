@@ -10,8 +10,10 @@ The registry (``paper/claims.yaml``) lists claims. A claim has
 ``derive``     optional, one of ``min | max | range | count``: the claim is computed from the
                pointer expanded over the ``over`` variables (e.g. the range over models)
 ``foreach``    optional mapping ``var -> domain``; a domain is a literal list, or
-               ``{file, pointer}`` whose mapping keys (or list items) are the values, optionally
-               ``{..., exclude: [..]}``. Later domains may use earlier variables.
+               ``{file, pointer}`` whose mapping keys (those whose values are mappings, unless
+               ``mappings_only: false``) or list items are the values, optionally
+               ``{..., exclude: [..]}``. Later domains may use earlier variables; a value that
+               starts with "/" is inserted into pointers as a pointer fragment (not escaped).
 ``section``    report section; ``table`` (optional) ``{name, row, col}`` places the claim in a table
 ``required``   default true: a required claim whose file/pointer is missing stops the report;
                an optional one is left out of the report (listed under ``omitted`` in claims.json)
@@ -303,8 +305,9 @@ def _domain(spec: Any, env: dict[str, Any], files: _Files, where: str) -> list[A
     if isinstance(spec, dict) and "pointer" in spec:
         rel = _fill(spec.get("file", ""), env)
         node = files.get(rel, _fill(spec["pointer"], env, escape=True))
-        if isinstance(node, dict):
-            vals = [k for k in node if not str(k).startswith("_")]
+        if isinstance(node, dict):   # the keys whose values are mappings (skips counts, labels)
+            vals = [k for k, v in node.items() if not str(k).startswith("_")
+                    and (isinstance(v, dict) or not spec.get("mappings_only", True))]
         elif isinstance(node, list):
             vals = list(node)
         else:
@@ -361,8 +364,8 @@ def resolve_all(run_dir: str | Path, registry: str | Path | dict | None = None) 
             envs = _expand(spec.get("foreach"), {}, files, spec["id"])
         except MissingSource as e:
             if required:
-                raise ClaimError(f"required claim {spec['id']!r}: {e}. Run the stage that writes "
-                                 f"{spec.get('foreach')} (or mark the claim required: false)") from None
+                raise ClaimError(f"required claim {spec['id']!r}: {e}. Run the stage that writes this "
+                                 "file (or mark the claim required: false in the registry)") from None
             omitted.append({"id": spec["id"], "reason": str(e)})
             continue
         for env in envs:

@@ -55,7 +55,7 @@ def make_run(root: Path, models=("tiny-a", "org/tiny-b"), seed: int = 0, finetun
                 a = node["prompting"][arm] = {"pooled": {k: _iv(round(rng.random(), 3)) for k in HEAD}}
                 if arm != "untreated":
                     a["contrasts"] = {k: _contrast(round(rng.uniform(-0.3, 0.3), 4)) for k in HEAD}
-                    a["success"] = {"success": rng.random() < 0.5}
+                    a["success"] = {"passed": rng.random() < 0.5}
         el["models"][m] = {v: {"pooled": {"memory_correct": rng.random(), "mem_absent": rng.random() / 5}}
                            for v in ("forced", "permissive")}
         if finetune:
