@@ -322,3 +322,9 @@ def run_benchmark(n_questions: int = 542, n_boot: int = DEFAULT_N_BOOT, n_perm: 
             "seconds_sign_flips": min(t_perm),
             "seconds_paired_contrast": min(t_contrast),
             "repeats": repeats}
+
+
+if __name__ == "__main__":  # python -m memtoc.stats: print the speed benchmark
+    import json
+
+    print(json.dumps(run_benchmark(), indent=1))
