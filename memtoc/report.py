@@ -38,7 +38,8 @@ def _table(rows_claims: list[C.Claim]) -> str:
 
 
 def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str, str],
-                  figures: list[Path], run_name: str, provenance: Optional[dict] = None) -> str:
+                  figures: list[Path], run_name: str, provenance: Optional[dict] = None,
+                  captions: Optional[dict[str, str]] = None) -> str:
     """The Markdown text of the report (pure: no file access)."""
     md: list[str] = [f"# MemToC reproduction report: run `{run_name}`", ""]
     md.append("Every number below is read from the run's summaries through the claim registry "
@@ -62,7 +63,8 @@ def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str
             if c.table:
                 tables.setdefault(c.table.get("name", "table"), []).append(c)
         for name, tc in tables.items():
-            md += [f"Table `{name}`", "", _table(tc), ""]
+            cap = (captions or {}).get(name)
+            md += [f"Table `{name}`" + (f": {cap}" if cap else ""), "", _table(tc), ""]
     if figures:
         md += ["## Figures", ""]
         for f in figures:
@@ -103,7 +105,8 @@ def build_report(run_dir: str | Path, registry: str | Path | None = None) -> tup
     claims, omitted = C.resolve_all(run_dir, reg)
     claims_path = C.write_claims(run_dir, claims, omitted, registry)
     figures = sorted((run_dir / "figures").glob("*.png")) if (run_dir / "figures").is_dir() else []
-    md = render_report(claims, omitted, reg.get("sections") or {}, figures, run_dir.name, _provenance(run_dir))
+    md = render_report(claims, omitted, reg.get("sections") or {}, figures, run_dir.name, _provenance(run_dir),
+                       reg.get("tables") or {})
     report_path = run_dir / "paper" / "report.md"
     report_path.write_text(md)
     return report_path, claims_path, claims
