@@ -332,6 +332,16 @@ def paired_metric_contrast(treated: pd.DataFrame, untreated: pd.DataFrame, metri
     return {**res, **extra, "metric": metric}
 
 
+def drop_gold_in_question(df: pd.DataFrame) -> pd.DataFrame:
+    """The Q-minus rule (PROTOCOL §6, keepQ): drop episodes whose normalize(gold) is a character
+    substring of normalize(question). ``retention`` of the result is the paper's keepQ."""
+    from .scoring import gold_in_question
+
+    check_columns(df, ("gold", "question"), "DataFrame for the Q-minus rule")
+    keep = [not gold_in_question(g, q) for g, q in zip(df["gold"].astype(str), df["question"].astype(str))]
+    return df[np.array(keep, dtype=bool)]
+
+
 def synthetic_arm(n_questions: int = 542, seed: int = 0, formulations: Sequence[str] = FORMULATIONS,
                   model: str = "synthetic", arm: str = "untreated") -> pd.DataFrame:
     """A random scored arm (4 core conditions x formulations) with plausible cell rates, for

@@ -273,3 +273,16 @@ def test_common_support_and_paired_units():
     assert res["delta"] == pytest.approx(1 / 3) and res["n_units"] == 3 and res["n_untreated_only"] == 1
     with pytest.raises(DataError, match="unknown metric"):
         metrics.paired_units(a, b, "retentoin")
+
+
+def test_q_minus_rule_drops_gold_echoed_by_the_question():
+    df = small_arm()
+    df["gold"] = ["Stanley Park" if q == "q3" else "Thomas Mawson" for q in df.qkey]
+    df["question"] = ["Stanley Park, who designed it?" if q == "q3" else "Who designed Stanley Park?"
+                      for q in df.qkey]
+    dq = metrics.drop_gold_in_question(df)
+    assert set(dq.qkey) == set(df.qkey) - {"q3"}
+    m = arm_metrics(dq)
+    assert m["n_arb"] == 3 and m["retention"] == pytest.approx(1 / 3)
+    with pytest.raises(DataError, match="question"):
+        metrics.drop_gold_in_question(small_arm())
