@@ -645,6 +645,8 @@ def _published_value(spec: dict, env: dict, files: _Files, where: str) -> Any:
             node = int(node.replace(",", ""))
         elif re.fullmatch(r"\d*\.\d+", node):
             node = float(node)
+    if "contains" in spec:   # does the text name this item (e.g. a model in a list of models)?
+        node = _fill(spec["contains"], env) in str(node)
     if "map" in spec:
         node = spec["map"].get(node, node)
     if spec.get("sum_values"):
@@ -745,6 +747,15 @@ def _derive_published(d: dict, env: dict, files: _Files) -> Any:
         var = next(iter(d["over"]))
         vals = [(files.get(_fill(d["file"], e), _fill(d["pointer"], e, escape=True)), e[var]) for e in envs]
         return [name for _, name in sorted(vals, key=lambda t: t[0], reverse=bool(d.get("descending")))]
+    if op == "criterion":
+        # the asymmetric success criterion on paired contrasts {delta, p}: the target metric rises
+        # significantly (delta > 0, p < alpha) and the guarded one shows no significant drop
+        alpha = float(d.get("alpha", 0.05))
+        up = _derive_published(d["up"], env, files)
+        if not (up[d.get("delta", "delta")] > 0 and up[d.get("p", "p")] < alpha):
+            return False
+        guard = _derive_published(d["guard"], env, files)
+        return not (guard[d.get("delta", "delta")] < 0 and guard[d.get("p", "p")] < alpha)
     if op == "same_order":
         orders = [_derive_published(o, env, files) for o in d["orders"]]
         return all(o == orders[0] for o in orders)

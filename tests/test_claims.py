@@ -312,6 +312,10 @@ def test_published_checks_pass_and_flag_the_gemma_rounding_note():
     assert rows["construction.analysis"].derived == "542"
     assert rows["construction.episodes"].derived == "6504"
     assert rows["far_keep_holm.base"].status == "MATCH"
+    assert rows["finetune.Llama-3.1-8B-Instruct.sft.criterion"].derived == "yes"
+    assert rows["finetune.Qwen2.5-7B-Instruct.sft.criterion"].status == "MATCH"
+    assert rows["finetune.Qwen2.5-7B-Instruct.sft.criterion"].derived == "no"
+    assert rows["finetune.qwen.sft.tool_gold_follow.pooled_delta"].status == "N/A"   # partial copy
     assert sum(r.status == "MATCH" for r in res.rows) > 100
 
 
