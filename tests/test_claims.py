@@ -346,3 +346,17 @@ def test_claim_dropped_from_claims_json_and_report_is_caught(built):
     res = C.verify(built)
     bad = {r.id: r.detail for r in res.failures}
     assert list(bad) == ["report:registry"] and "headline.retention" in bad["report:registry"]
+
+
+def test_a_model_added_after_the_report_is_caught(built):
+    """A range over models is re-checked against the models the run now has."""
+    path = built / "summaries" / "evaluation.json"
+    doc = json.loads(path.read_text())
+    extra = json.loads(json.dumps(doc["models"]["tiny-a"]))
+    extra["headline"]["pooled"]["retention"]["value"] = 0.999
+    doc["models"]["tiny-c"] = extra
+    path.write_text(json.dumps(doc))
+    res = C.verify(built)
+    bad = {r.id: r.detail for r in res.failures}
+    assert "report:registry" in bad
+    assert "headline.retention" in bad["report:registry"] and "main.tiny-c.untreated.retention" in bad["report:registry"]
