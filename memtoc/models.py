@@ -56,7 +56,7 @@ class ModelError(MemtocError):
 class ModelSpec:
     name: str                      # registry name (or the local path as given)
     label: str                     # short label used in output paths and tables
-    source: str                    # embedded | hub | local
+    source: str                    # embedded | hub | local | remote (openai backend only)
     hub_id: Optional[str] = None
     path: Optional[str] = None     # local directory (source == local)
     chat: bool = True              # chat template (True) or raw prompt (base model)
@@ -336,8 +336,15 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
         raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if adapter is not None and not Path(adapter).is_dir():
         raise ModelError(f"adapter directory {adapter} does not exist")
-    spec = get_model(name)
     opts = dict(backend_options)
+    if backend == "openai":
+        try:
+            spec = get_model(name)
+        except ModelError:  # a name only the server knows
+            spec = ModelSpec(name, re.sub(r"[^A-Za-z0-9_.-]+", "_", name), "remote", chat=True,
+                             system_turn="template")
+    else:
+        spec = get_model(name)
     cache_dir = opts.pop("model_cache_dir", None)
     if backend == "transformers":
         from .backends.hf import TransformersGenerator
@@ -350,6 +357,7 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
         return VLLMGenerator(spec, path, adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens,
                              cache_dir=cache_dir, **opts)
     from .backends.openai import OpenAIGenerator
+    opts.pop("model_cache_dir", None)
     return OpenAIGenerator(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)
 
 

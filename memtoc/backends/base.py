@@ -32,8 +32,8 @@ class Reply:
 
 # A completed FINAL line: a marker not preceded by a quote char (the scorer ignores quoted
 # mentions), then a non-empty line that is not the bare placeholder, then a newline.
-_FINAL_DONE = re.compile(r"(?<!['\"\u2018\u2019\u201c\u201d`])final\s*:[ \t]*(?:\n[ \t\n]*)?"
-                         r"(?!<answer>\s*\n)[^\n]*\S[^\n]*\n", re.IGNORECASE)
+_FINAL_DONE = re.compile(r"(?<!['\"\u2018\u2019\u201c\u201d`])final\s*:(?!\s*<answer>[ \t]*\n)"
+                         r"\s*[^\n]*\S[^\n]*\n", re.IGNORECASE)
 
 
 def final_line_done(text: str) -> bool:

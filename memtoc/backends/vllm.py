@@ -1,0 +1,143 @@
+"""vllm backend: the offline ``vllm.LLM`` engine with automatic prefix caching (GPU users).
+
+Install the optional extra (``pip install 'memtoc[gpu]'``); vllm is imported only when this backend
+is chosen. Prompts are formatted exactly as in the transformers backend (memtoc's rule: the
+model's chat template with one user turn, the embedded model without any system turn; base models
+the raw text), tokenized with the model's own tokenizer and handed to ``LLM.generate`` as token ids,
+so the three backends see identical prompt tokens. Prefix caching (``enable_prefix_caching=True``)
+lets the conditions of one question share the KV cache of their common instruction+schema prefix;
+requests are submitted sorted by prompt so that shared prefixes sit next to each other.
+
+Options (``load_generator(..., backend="vllm", **options)``): ``stop_at_final`` (default True; the
+reply is cut after its first completed FINAL line, as in the other backends), ``chunk`` (requests
+per ``LLM.generate`` call, default 4096: each chunk is written to the cache when it finishes), and
+any ``vllm.LLM`` keyword (``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``...).
+A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from tqdm.auto import tqdm
+
+from .base import Generator, Reply, truncate_after_final
+
+
+def vllm_dtype(dtype: str) -> str:
+    return {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}[dtype]
+
+
+def build_requests(tokenizer, spec, prompts: list[str]) -> list[dict[str, Any]]:
+    """vLLM prompt dicts (``{"prompt_token_ids": [...]}``) for user-turn prompts, memtoc's format."""
+    from ..models import render_prompt
+    out = []
+    for p in prompts:
+        text, special = render_prompt(tokenizer, spec, p)
+        out.append({"prompt_token_ids": tokenizer(text, add_special_tokens=special)["input_ids"]})
+    return out
+
+
+def sampling_kwargs(max_new_tokens: int, seed: Optional[int] = None) -> dict[str, Any]:
+    """Greedy decoding settings for ``vllm.SamplingParams``."""
+    kw: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "max_tokens": int(max_new_tokens), "n": 1}
+    if seed is not None:
+        kw["seed"] = seed
+    return kw
+
+
+def engine_kwargs(path: Path, dtype: str, adapter: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
+    kw = {"model": str(path), "dtype": vllm_dtype(dtype), "enable_prefix_caching": True, "seed": 0}
+    if adapter is not None:
+        kw.update(enable_lora=True, max_lora_rank=64)
+    kw.update(options)
+    return kw
+
+
+def submission_order(prompts: list[str]) -> list[int]:
+    """Indices sorted by prompt text: requests sharing a prefix are submitted next to each other."""
+    return sorted(range(len(prompts)), key=lambda i: (prompts[i], i))
+
+
+class VLLMGenerator(Generator):
+    backend = "vllm"
+
+    def __init__(self, spec, path: Path, adapter=None, dtype: str = "auto", max_new_tokens: int = 48,
+                 cache_dir=None, stop_at_final: bool = True, chunk: int = 4096, seed: Optional[int] = None,
+                 show_progress: bool = True, batch_size: Any = None, **llm_options):
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            from .openai import BackendError
+            raise BackendError("backend 'vllm' needs the vllm package (a GPU install): pip install "
+                               "'memtoc[gpu]'; on a CPU use backend 'transformers'") from None
+        from transformers import AutoTokenizer
+
+        from ..models import adapter_hash, weights_hash
+
+        self.spec = spec
+        self.path = Path(path)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_at_final = bool(stop_at_final)
+        self.chunk = int(chunk)
+        self.seed = seed
+        self.show_progress = show_progress
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.adapter = str(adapter) if adapter is not None else None
+        self.llm = vllm.LLM(**engine_kwargs(self.path, dtype, self.adapter, llm_options))
+        self.lora = None
+        if self.adapter is not None:
+            from vllm.lora.request import LoRARequest
+            self.lora = LoRARequest("adapter", 1, self.adapter)
+        super().__init__({
+            "model": spec.name, "weights_sha256": weights_hash(self.path, cache_dir),
+            "adapter_sha256": adapter_hash(adapter) if adapter is not None else None,
+            "backend": self.backend,
+            "prompt_format": {"chat": spec.chat, "system_turn": spec.system_turn},
+            "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
+                         "stop_at_final": self.stop_at_final, "dtype": dtype},
+        })
+
+    def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
+        from vllm import SamplingParams
+        sp = SamplingParams(**sampling_kwargs(self.max_new_tokens, self.seed))
+        order = submission_order(prompts)
+        bar = tqdm(total=len(prompts), desc=desc or f"generate {self.spec.label}", unit="req",
+                   disable=not self.show_progress, leave=False)
+        try:
+            for k in range(0, len(order), self.chunk):
+                idx = order[k:k + self.chunk]
+                reqs = build_requests(self.tokenizer, self.spec, [prompts[i] for i in idx])
+                t0 = time.perf_counter()
+                outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self.lora)
+                dt = time.perf_counter() - t0
+                replies = []
+                for req, o in zip(reqs, outs):
+                    c = o.outputs[0]
+                    text, finish = c.text, ("eos" if c.finish_reason == "stop" else c.finish_reason or "")
+                    if self.stop_at_final:
+                        cut = truncate_after_final(text)
+                        if cut != text:
+                            text, finish = cut, "final_line"
+                    replies.append(Reply(text=text, n_prompt_tokens=len(req["prompt_token_ids"]),
+                                         n_new_tokens=len(c.token_ids), seconds=dt / len(idx), key="",
+                                         cached=False, finish=finish))
+                bar.update(len(idx))
+                yield idx, replies
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            del llm
+            try:
+                import gc
+
+                import torch
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception:
+                pass

@@ -1,0 +1,105 @@
+"""Generation cache: keys, append + fsync, truncated last line, sibling reuse (pure, no model)."""
+import json
+import warnings
+
+import pytest
+
+from memtoc import cache
+from memtoc.backends.base import Generator, Reply
+
+
+def rec(k, text="t"):
+    return {"key": k, "prompt_sha256": "p", "text": text, "n_prompt_tokens": 3, "n_new_tokens": 2,
+            "seconds": 0.1}
+
+
+def test_request_key_depends_on_identity_and_prompt():
+    a = cache.request_key({"model": "m", "decoding": {"max_new_tokens": 8}}, "hello")
+    assert a == cache.request_key({"decoding": {"max_new_tokens": 8}, "model": "m"}, "hello")  # order-free
+    assert a != cache.request_key({"model": "m", "decoding": {"max_new_tokens": 9}}, "hello")
+    assert a != cache.request_key({"model": "m2", "decoding": {"max_new_tokens": 8}}, "hello")
+    assert a != cache.request_key({"model": "m", "decoding": {"max_new_tokens": 8}}, "hello ")
+
+
+def test_append_and_read(tmp_path):
+    p = tmp_path / "g" / "arm.jsonl"
+    cache.append_records(p, [rec("a"), rec("b")])
+    cache.append_records(p, [rec("c", "ü")])
+    got = cache.read_cache(p)
+    assert list(got) == ["a", "b", "c"] and got["c"]["text"] == "ü"
+    assert p.read_text(encoding="utf-8").count("\n") == 3
+
+
+def test_truncated_last_line_ignored_then_repaired(tmp_path):
+    p = tmp_path / "arm.jsonl"
+    cache.append_records(p, [rec("a"), rec("b")])
+    with open(p, "ab") as f:
+        f.write(b'{"key": "c", "text": "half')  # a kill in the middle of a write
+    with pytest.warns(UserWarning, match="truncated last line"):
+        got = cache.read_cache(p)
+    assert set(got) == {"a", "b"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cache.append_records(p, [rec("d")])
+    lines = p.read_text().splitlines()
+    assert [json.loads(x)["key"] for x in lines] == ["a", "b", "d"]  # the broken tail is gone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning any more
+        assert set(cache.read_cache(p)) == {"a", "b", "d"}
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    p = tmp_path / "arm.jsonl"
+    p.write_text(json.dumps(rec("a")) + "\nnot json\n" + json.dumps(rec("b")) + "\n")
+    with pytest.raises(cache.CacheError, match="line 2"):
+        cache.read_cache(p)
+
+
+class CountingGenerator(Generator):
+    """A deterministic fake backend that records which prompts it was asked to generate."""
+
+    backend = "fake"
+
+    def __init__(self, batch=2):
+        super().__init__({"model": "fake", "decoding": {"max_new_tokens": 4}})
+        self.calls = []
+        self.batch = batch
+
+    def _generate_batches(self, prompts, desc):
+        for k in range(0, len(prompts), self.batch):
+            idx = list(range(k, min(k + self.batch, len(prompts))))
+            self.calls += [prompts[i] for i in idx]
+            yield idx, [Reply(prompts[i].upper(), 1, 1, 0.0, "", False) for i in idx]
+
+
+def test_generate_skips_cached_and_dedups(tmp_path):
+    g = CountingGenerator()
+    p = tmp_path / "m" / "arm.jsonl"
+    r1 = g.generate(["a", "b", "a", "c"], cache_path=p)
+    assert [r.text for r in r1] == ["A", "B", "A", "C"]
+    assert g.calls == ["a", "b", "c"]  # duplicates generated once
+    r2 = g.generate(["c", "d", "a"], cache_path=p)
+    assert [r.text for r in r2] == ["C", "D", "A"]
+    assert [r.cached for r in r2] == [True, False, True]
+    assert g.calls == ["a", "b", "c", "d"]
+    assert len(p.read_text().splitlines()) == 4
+
+
+def test_generate_reuses_sibling_file_and_copies(tmp_path):
+    g = CountingGenerator()
+    g.generate(["x", "y"], cache_path=tmp_path / "m" / "closed_book_forced__reference.jsonl")
+    other = tmp_path / "m" / "untreated__reference.jsonl"
+    r = g.generate(["y", "z"], cache_path=other)
+    assert [x.cached for x in r] == [True, False]
+    assert g.calls == ["x", "y", "z"]
+    assert len(cache.read_cache(other)) == 2  # the reused reply was copied: each arm file is complete
+
+
+def test_identity_change_regenerates(tmp_path):
+    p = tmp_path / "m" / "arm.jsonl"
+    g = CountingGenerator()
+    g.generate(["a"], cache_path=p)
+    g2 = CountingGenerator()
+    g2.identity = {"model": "fake", "decoding": {"max_new_tokens": 5}}
+    r = g2.generate(["a"], cache_path=p)
+    assert not r[0].cached and g2.calls == ["a"]

@@ -1,0 +1,94 @@
+"""Model registry, preparation and prompt formatting."""
+import json
+import os
+
+import pytest
+
+from memtoc import models
+from memtoc.config import ConfigError, MemtocError
+
+
+def test_registry_has_embedded_and_paper_models():
+    labels = {s.label for s in models.REGISTRY.values()}
+    assert {"llamab", "llamai", "qwen", "gemma", "mistral"} <= labels
+    assert models.get_model("smollm2-135m-instruct").source == "embedded"
+    assert models.get_model("meta-llama/Llama-3.1-8B").chat is False  # the base model: raw prompt
+    assert models.get_model("llamai").hub_id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert models.get_model("Qwen/Qwen2.5-7B-Instruct").label == "qwen"
+
+
+def test_unknown_model_lists_valid_ones():
+    with pytest.raises(models.ModelError) as e:
+        models.get_model("gpt-17")
+    msg = str(e.value)
+    assert "gpt-17" in msg and "smollm2-135m-instruct" in msg and "llamai" in msg and "local" in msg
+    assert isinstance(e.value, MemtocError)
+
+
+def test_local_dir_without_config_is_rejected(tmp_path):
+    with pytest.raises(models.ModelError, match="config.json"):
+        models.get_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    spec = models.get_model(str(tmp_path))
+    assert spec.source == "local" and spec.path == str(tmp_path.resolve())
+
+
+def test_load_generator_validates_arguments():
+    with pytest.raises(ConfigError, match="backend"):
+        models.load_generator("smollm2-135m-instruct", backend="tgi")
+    with pytest.raises(ConfigError, match="batch_size"):
+        models.load_generator("smollm2-135m-instruct", batch_size=0)
+    with pytest.raises(models.ModelError, match="adapter"):
+        models.load_generator("smollm2-135m-instruct", adapter="/nonexistent/adapter")
+
+
+def test_model_cache_root(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMTOC_MODEL_CACHE", str(tmp_path / "env"))
+    assert models.model_cache_root() == tmp_path / "env"
+    assert models.model_cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv("MEMTOC_MODEL_CACHE")
+    assert str(models.model_cache_root()).endswith(".cache/memtoc/models")
+
+
+def test_partial_prepare_folder_is_not_reused(tmp_path):
+    (tmp_path / "smollm2-135m-instruct").mkdir()
+    (tmp_path / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    with pytest.raises(models.ModelError, match="not a complete prepared model"):
+        models.prepare_model("smollm2-135m-instruct", cache_dir=tmp_path)
+
+
+def test_weights_hash_is_stored_and_reused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    h = models.weights_hash(tmp_path)
+    stored = json.loads((tmp_path / models.HASH_FILE).read_text())
+    assert stored["weights_sha256"] == h
+    (tmp_path / "model.safetensors").write_bytes(b"abd")  # changed weights -> new hash
+    os.utime(tmp_path / "model.safetensors", (1, 1))
+    assert models.weights_hash(tmp_path) != h
+
+
+@pytest.fixture(scope="module")
+def smol_path():
+    return models.prepare_model("smollm2-135m-instruct")
+
+
+@pytest.mark.integration
+def test_prepare_reuses_and_has_hash(smol_path):
+    assert (smol_path / "model.safetensors").is_file()
+    assert (smol_path / models.DONE_FILE).is_file()
+    assert models.prepare_model("smollm2-135m-instruct") == smol_path  # reused, not rebuilt
+    cfg = json.loads((smol_path / "config.json").read_text())
+    assert not cfg.get("quantization_config")
+
+
+@pytest.mark.integration
+def test_chat_prompt_has_no_system_turn(smol_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smol_path)
+    assert models.detect_default_system(tok)  # SmolLM2's template would inject one
+    spec = models.get_model("smollm2-135m-instruct")
+    text, special = models.render_prompt(tok, spec, "Question: who?\n")
+    assert text == "<|im_start|>user\nQuestion: who?\n<|im_end|>\n<|im_start|>assistant\n"
+    assert special is False and "system" not in text
+    base = models.ModelSpec("b", "b", "local", chat=False)
+    assert models.render_prompt(tok, base, "raw") == ("raw", True)
