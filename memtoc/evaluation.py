@@ -282,6 +282,8 @@ def read_scored(run_dir, model_label: str | None = None) -> pd.DataFrame:
     frames = []
     for d in dirs:
         for p in sorted(d.glob("*.jsonl")):
+            if p.name.startswith("closed_book_"):  # the elicitation's files share the folder
+                continue
             frames.append(pd.read_json(p, lines=True, dtype=False))
     if not frames:
         raise DataError(f"no scored files under {base}; run notebook 03_evaluation first")
@@ -845,4 +847,92 @@ def success_table(summary: dict) -> pd.DataFrame:
         for arm, body in (s.get("prompting") or {}).items():
             if isinstance(body, dict) and body.get("success"):
                 rows.append({"model": model, "arm": arm, **body["success"]})
+    return pd.DataFrame(rows)
+
+
+# ==================================================================================================
+# notebook helpers (thin glue; I/O at the edge)
+
+
+def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode], P: dict) -> pd.DataFrame:
+    """The closed-book memory frame covering every (formulation, qkey) of ``episodes``.
+
+    Reads what notebook 02 wrote (``elicitation.load_memory``); if it is missing or does not cover
+    the episodes, runs the elicitation for the episodes' questions (served from the generation
+    cache where 02 already generated them). Variant: ``P["closed_book_variant"]``.
+    """
+    from . import elicitation
+
+    variant = P.get("closed_book_variant", "forced")
+    need = {(e.formulation, e.qkey) for e in episodes}
+    try:
+        mem = elicitation.load_memory(P["run_dir"], model_label, variant)
+        have = set(zip(mem["formulation"], mem["qkey"]))
+        if need <= have:
+            keep = [(f, q) in need for f, q in zip(mem["formulation"], mem["qkey"])]
+            return mem[keep].reset_index(drop=True)
+        print(f"{model_label}: the closed-book answers of notebook 02 miss {len(need - have)} "
+              "(formulation, question) pairs; eliciting them now")
+    except DataError:
+        print(f"{model_label}: no closed-book answers yet (notebook 02 not run); eliciting them now")
+    by_qkey = benchmark.by_qkey
+    qkeys = list(dict.fromkeys(e.qkey for e in episodes))
+    forms = [f for f in FORMULATIONS if any(e.formulation == f for e in episodes)]
+    return elicitation.elicit(generator, model_label, [by_qkey[q] for q in qkeys], forms, variant,
+                              P["run_dir"], matcher=P.get("matcher", "paper"))
+
+
+def episode_counts(episodes: Sequence[Episode]) -> pd.DataFrame:
+    """Episodes per (condition, arm, frame, payload kind) × formulation, with questions."""
+    d = pd.DataFrame([{"condition": e.condition, "arm": e.arm, "frame": e.frame,
+                       "payload": e.payload_kind or "", "formulation": e.formulation, "qkey": e.qkey}
+                      for e in episodes])
+    t = d.pivot_table(index=["condition", "arm", "frame", "payload"], columns="formulation", values="qkey",
+                      aggfunc="count", fill_value=0)
+    t["questions"] = d.groupby(["condition", "arm", "frame", "payload"])["qkey"].nunique()
+    return t
+
+
+def _fmt(v, lo, hi, n) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return f"– (n={int(n)})" if n == n and n is not None else "–"
+    s = f"{100 * v:.1f}"
+    if lo is not None and hi is not None and not (isinstance(lo, float) and math.isnan(lo)):
+        s += f" [{100 * lo:.1f}, {100 * hi:.1f}]"
+    return s + f" n={int(n)}"
+
+
+def format_table(t: pd.DataFrame, index: Sequence[str], columns: str) -> pd.DataFrame:
+    """Pivot a tidy interval table into "value [lo, hi] n=…" strings (percent) for display."""
+    if t.empty:
+        return t
+    t = t.assign(cell=[_fmt(v, lo, hi, n) for v, lo, hi, n in zip(t["value"], t["lo"], t["hi"], t["n"])])
+    out = t.pivot_table(index=list(index), columns=columns, values="cell", aggfunc="first")
+    if columns == "formulation":
+        out = out[[c for c in list(FORMULATIONS) + ["pooled"] if c in out.columns]]
+    return out
+
+
+def matcher_table(summary: dict) -> pd.DataFrame:
+    """Rows (model, formulation, metric, paper, strict, delta) of the matcher sensitivity."""
+    rows = []
+    for model, s in summary["models"].items():
+        ms = s.get("matcher_sensitivity") or {}
+        for form, mets in ms.items():
+            if form in ("changed_decisions", "n_episodes") or not isinstance(mets, dict):
+                continue
+            for metric, v in mets.items():
+                rows.append({"model": model, "formulation": form, "metric": metric, **v})
+    return pd.DataFrame(rows)
+
+
+def ranking_table(summary: dict) -> pd.DataFrame:
+    """One row per headline metric: the pooled model order and whether it holds everywhere."""
+    rows = []
+    for metric, r in (summary.get("ranking_stability") or {}).items():
+        orders = r.get("orders", {})
+        rows.append({"metric": metric, "pooled_order": " < ".join(orders.get("pooled", [])),
+                     "full_order_stable": r.get("full_order_stable"),
+                     "stable_pairs": ", ".join(r.get("stable_pairs", [])),
+                     **{f"order_{f}": " < ".join(o) for f, o in orders.items() if f != "pooled"}})
     return pd.DataFrame(rows)
