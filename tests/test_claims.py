@@ -59,10 +59,11 @@ def make_run(root: Path, models=("tiny-a", "org/tiny-b"), seed: int = 0, finetun
         el["models"][m] = {v: {"pooled": {"memory_correct": rng.random(), "mem_absent": rng.random() / 5}}
                            for v in ("forced", "permissive")}
         if finetune:
-            ft["models"][m] = {"objectives": {o: {
-                "treated": {"pooled": {k: _iv(round(rng.random(), 4)) for k in HEAD}},
-                "contrasts": {k: _contrast(round(rng.uniform(-0.2, 0.2), 4)) for k in HEAD},
-                "success": {"success": bool(rng.random() < 0.5)}} for o in ("sft", "dpo")}}
+            ft["models"][m] = {"base": "/x", "folds": {}, "adapters": {}, "objectives": {o: {
+                "deltas": {k: {f: {**_contrast(round(rng.uniform(-0.2, 0.2), 4)), "treated": round(rng.random(), 4),
+                                   "untreated": round(rng.random(), 4)} for f in FORMS + ["pooled"]} for k in HEAD},
+                "criterion": {"passed": bool(rng.random() < 0.5), "reason": "x"},
+                "n_episodes": 60} for o in ("sft", "dpo")}}
     ev["ranking_stability"]["retention"] = {"pooled_order": list(models), "stable": False}
     (run / "summaries" / "construction.json").write_text(json.dumps(construction))
     (run / "summaries" / "evaluation.json").write_text(json.dumps(ev))
