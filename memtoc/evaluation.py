@@ -18,56 +18,79 @@ Files written by :func:`evaluate`::
 
 ``summaries/evaluation.json`` — structure (stable; claims cite it by JSON pointer)
 -----------------------------------------------------------------------------------
-Every estimate is an *interval object* ``{"value": float|null, "ci95": [lo, hi]|null, "n": int}``
-(rates in [0, 1]; ``n`` = the denominator; ``value`` is null when ``n`` is 0). A *contrast object* is
-``{"delta", "ci95", "p", "p_holm", "n_units", "n_clusters", "treatment", "baseline"}`` — a paired
-difference treatment − baseline on common support, units (qkey, formulation), clustered by qkey
-(question-cluster bootstrap CI, sign-flip permutation p, Holm within the family named in the
-section). ``<form>`` is a formulation name (reference, paraphrase_a, paraphrase_b) or ``pooled``
-(unweighted mean over formulations, the paper's rule). ::
+An *interval object* is ``{"value": float|null, "ci95": [lo, hi]|null, "n": int}`` (rates in [0, 1];
+``n`` = the denominator in episodes; ``value`` null when ``n`` is 0; pooled headline entries add
+``n_formulations``). A *contrast object* is ``{"delta", "ci95", "p", "p_holm", "n_units",
+"n_clusters", "treatment", "baseline"}``: the paired difference treatment − baseline on common
+support, units (formulation, qkey) clustered by qkey, question-cluster bootstrap CI and sign-flip
+permutation p (``stats.paired_contrast``), ``p_holm`` Holm-adjusted within the family named below
+(null when the contrast is in no family). ``<form>`` is a formulation (reference, paraphrase_a,
+paraphrase_b) or ``pooled`` = the unweighted mean over formulations (the paper's pooling; CI from
+question clusters resampled jointly across formulations). ::
 
-    /schema_version                                 1
-    /run_name, /matcher, /n_boot, /n_perm, /alpha, /seed, /formulations
-    /metrics                                        {metric: one-line definition}
-    /models/<model>/n_questions                     {"headline": int, "extra": int}
-    /models/<model>/headline/<form>/<metric>        interval object; metrics retention, tool_follow,
-                                                    wrong_follow, err_abstain (the four headline
-                                                    ones), cra_arb, cra_conflict, agree_acc, nc_acc
-                                                    (secondary); untreated arm, schema frame, the
-                                                    default error payload
-    /models/<model>/cells/<form>/<cell>             int: tool_wrong episodes per cell (agree, arb,
-                                                    tool_gold, both_wrong, mem_absent)
-    /models/<model>/source_matrix/<form>/<cell>     {"n", "follow_rate", "correct_rate"} for the four
-                                                    cells (memory correct/incorrect × tool correct/
-                                                    incorrect; tool_right + tool_wrong episodes)
-    /models/<model>/prompting/<arm>/<form>/<metric> interval object (arms warn, prior, flag and
-                                                    untreated on the extra subset)
-    /models/<model>/prompting/<arm>/contrasts/<metric>  contrast object vs untreated (family
-                                                    "prompting/<metric>": the three arms)
-    /models/<model>/prompting/<arm>/success         {"success": bool, ...} the asymmetric criterion:
-                                                    retention up significantly (Holm) and no
-                                                    significant drop in tool_follow
-    /models/<model>/protocol/...                    the no_protocol_sentence ablation, same layout as
-                                                    one prompting arm (family "protocol/<metric>")
-    /models/<model>/frames/<frame>/<form>/<metric>  interval objects; frames schema, no_schema,
-                                                    passage; metrics correct_value_follow (tool_right,
-                                                    all episodes), incorrect_value_follow (tool_wrong,
-                                                    all episodes), tool_follow, wrong_follow
-    /models/<model>/frames/<frame>/contrasts/<metric>   contrast vs schema (family "frames/<metric>")
-    /models/<model>/far/<near|far>/<form>/<metric>  interval objects, retention and wrong_follow on
-                                                    the common support (questions with a far value)
-    /models/<model>/far/contrasts/<metric>          contrast far − near (family "far")
-    /models/<model>/far/n_common                    int: common-support questions
-    /models/<model>/payloads/<kind>/<form>/err_abstain  interval object per error payload kind
-    /models/<model>/payloads/contrasts/<kind>       contrast of err_abstain vs service_unavailable
-    /models/<model>/noop/<noop|no_tool>/<form>/<metric>  accuracy (final_correct) and abstain over
-                                                    all episodes of the condition
-    /models/<model>/noop/contrasts/<metric>         contrast noop − no_tool (family "noop")
-    /models/<model>/matcher_sensitivity/<form>/<metric>  {"paper", "strict", "delta"}: headline
-                                                    metric values re-scored with matcher="strict"
-                                                    on the same replies
-    /ranking_stability/<metric>                     {"pooled_order": [models...], "stable": bool,
-                                                    "per_formulation": {form: [models...]}, ...}
+    /schema_version                                  1
+    /run_name /matcher /n_boot /n_perm /alpha /seed /formulations
+    /metrics/<metric>                                one-line definition of every metric named here
+    /models/<model>/n_questions                      {"headline": int, "extra": int}
+    /models/<model>/n_episodes                       int
+    /models/<model>/headline/<form>/<metric>         interval object, from metrics.summarize_group on
+                                                     the untreated arm, schema frame, default error
+                                                     payload: retention, tool_follow, wrong_follow,
+                                                     err_abstain (the four headline metrics), cra_arb,
+                                                     cra_conflict, agree_acc, nc_acc, keep_flag, bw_gold
+    /models/<model>/headline/<form>/n_<cell>         int cell sizes: n_arb, n_tool_gold, n_both_wrong,
+                                                     n_agree, n_mem_absent, n_err, n_both_in_arb
+                                                     (+ /headline/pooled/n_questions)
+    /models/<model>/cells/<form>/<cell>              int: tool_wrong episodes per cell (agree, arb,
+                                                     tool_gold, both_wrong, mem_absent)
+    /models/<model>/source_matrix/<form>/<cell>      {"n", "follow_rate", "keep_rate", "correct_rate"}
+                                                     for agree / arb / tool_gold / both_wrong (tool_right
+                                                     + tool_wrong episodes; pooled sums episodes)
+    /models/<model>/prompting/n_questions            int (the extra-arm questions)
+    /models/<model>/prompting/untreated/<form>/<metric>   interval object on the same questions
+    /models/<model>/prompting/<arm>/<form>/<metric>  interval object; arms warn, prior, flag; metrics
+                                                     retention, tool_follow, wrong_follow, err_abstain
+    /models/<model>/prompting/<arm>/contrasts/<metric>    contrast object vs untreated; family
+                                                     "prompting/<metric>" = the three arms
+    /models/<model>/prompting/<arm>/success          stats.success_criterion: {"passed": bool,
+                                                     "retention_up", "tool_drop", "retention_delta",
+                                                     "retention_p", "tool_delta", "tool_p", "alpha",
+                                                     "reason"} (retention up significantly after Holm
+                                                     and no significant drop in tool_follow)
+    /models/<model>/protocol/...                     the no_protocol_sentence ablation, laid out like
+                                                     prompting (arm no_protocol_sentence, no success)
+    /models/<model>/frames/n_questions               int
+    /models/<model>/frames/<frame>/<form>/<metric>   interval object; frames schema (baseline on the
+                                                     same questions), no_schema, passage; metrics
+                                                     correct_value_follow (tool_right, all episodes),
+                                                     incorrect_value_follow (tool_wrong, all episodes),
+                                                     tool_follow, wrong_follow (cell-restricted)
+    /models/<model>/frames/<frame>/contrasts/<metric>     contrast vs schema; family = the two frames
+    /models/<model>/far/n_common                     int: questions with both a far and a near episode
+    /models/<model>/far/<near|far>/<form>/<metric>   interval object: retention, wrong_follow,
+                                                     incorrect_value_follow on the common support
+    /models/<model>/far/contrasts/<metric>           contrast far − near; family {retention, wrong_follow}
+    /models/<model>/payloads/n_questions             int
+    /models/<model>/payloads/<kind>/<form>/err_abstain    interval object; kinds service_unavailable
+                                                     (the paper's), timeout, permission_denied
+    /models/<model>/payloads/contrasts/<kind>        contrast of err_abstain vs service_unavailable;
+                                                     family = the two other kinds
+    /models/<model>/noop/n_questions                 int
+    /models/<model>/noop/<noop|no_tool>/<form>/<metric>   interval object: accuracy (final_correct),
+                                                     abstain, over all episodes of the condition
+    /models/<model>/noop/contrasts/<metric>          contrast noop − no_tool; family {accuracy, abstain}
+    /models/<model>/matcher_sensitivity/<form>/<metric>   {"paper", "strict", "delta"} point values of
+                                                     retention, tool_follow, wrong_follow, err_abstain,
+                                                     cra_conflict after re-scoring the same replies
+                                                     (and closed-book answers) with matcher="strict";
+                                                     delta = strict − paper
+    /models/<model>/matcher_sensitivity/changed_decisions/<field>   share of headline episodes whose
+                                                     followed_tool / kept_memory / final_correct / cell
+                                                     changes
+    /ranking_stability/<metric>                      stats.ranking_stability over the models, for the
+                                                     four headline metrics: {"orders": {"pooled": [...],
+                                                     <form>: [...]}, "pairs", "stable_pairs",
+                                                     "full_order_stable"}
 
 Sections whose episodes are absent from the run (an extra arm turned off) are omitted.
 """
@@ -111,9 +134,11 @@ METRIC_DOC = {
     "wrong_follow": "tool_wrong, both_wrong cell (memory and tool incorrect): followed the incorrect tool value",
     "err_abstain": "tool_error, all episodes (mem_absent included): the final answer abstains",
     "cra_arb": "tool_wrong, arb cell: final answer correct",
-    "cra_conflict": "tool_wrong, arb + tool_gold cells: final answer correct",
+    "cra_conflict": "tool_wrong in the arb cell + tool_right in the tool_gold cell: final answer correct",
     "agree_acc": "tool_right, agree cell: final answer correct",
     "nc_acc": "tool_right, tool_gold cell: final answer correct (no-conflict accuracy)",
+    "keep_flag": "tool_wrong, arb cell: kept_memory flag (ties 'both' included; legacy)",
+    "bw_gold": "tool_wrong, both_wrong cell: final answer correct",
     "correct_value_follow": "tool_right, all episodes: followed the (correct) tool value",
     "incorrect_value_follow": "tool_wrong (or tool_far), all episodes: followed the (incorrect) tool value",
     "accuracy": "all episodes of the condition: final answer correct",
@@ -270,7 +295,7 @@ def evaluate(generator, model_label: str, episodes: Sequence[Episode], memory: p
     df["n_new_tokens"] = [getattr(r, "n_new_tokens", None) for r in replies]
     df["cached"] = [getattr(r, "cached", None) for r in replies]
     out_dir = Path(run_dir) / "scored" / model_label
-    for arm_key, part in df.groupby(df.apply(lambda r: Episode.from_dict(r).arm_key, axis=1), sort=False):
+    for arm_key, part in df.groupby(np.array([e.arm_key for e in episodes]), sort=False):
         _write_jsonl(out_dir / f"{arm_key}.jsonl", part.drop(columns=["schema"], errors="ignore").to_dict("records"))
     return df
 
