@@ -1,0 +1,804 @@
+"""Fine-tuning: SFT and DPO LoRA adapters with chain-level cross-fitting, and their held-out
+evaluation against the untreated model.
+
+Training data (the paper's rule, :func:`training_examples`)
+    For every training question two examples per formulation, both on the untreated, schema-frame
+    with-tool prompt: under ``tool_wrong`` the verified answer is preferred over the tool's near
+    value; under ``tool_right`` the tool value (= the verified answer) is preferred over the near
+    distractor. So chosen = ``"FINAL: <gold>"`` and rejected = ``"FINAL: <near>"`` in both. DPO
+    trains on (prompt, chosen, rejected); SFT on (prompt, chosen) with the loss on the completion
+    tokens only (trl prompt-completion format). Only near distractors are used (far ones stay held
+    out for evaluation). Prompts are rendered exactly as the generator renders them
+    (``models.render_prompt``: one user turn, no system turn for the embedded model); trl appends
+    the EOS token to every completion. Excluded questions (outside the 542) may be trained on.
+
+Cross-fitting (:func:`crossfit_plan`)
+    The two chain-level folds of the 575-question pool (``Question.fold``). The adapter trained on
+    fold k is evaluated only on analysis-set questions of the *other* fold, taken from the run's
+    headline selection (``select_questions(analysis, n_questions)``, so the untreated replies of
+    notebook 03 are reused from the cache). :func:`check_no_leakage` refuses a plan in which an
+    evaluated question's chain is in its adapter's training data. Matched SFT and DPO runs share
+    the base checkpoint, hyper-parameters, LoRA configuration, seed and data order.
+
+Evaluation
+    Each adapter answers the held-out episodes (conditions ``eval_conditions``, default tool_right,
+    tool_wrong, tool_error; untreated arm, schema frame, the default error payload) through the
+    generation cache (``generations/<model>__<objective>__fold<k>/``); replies are scored with
+    ``evaluation.score_episodes``, with the cells of the *untreated* model's closed-book memory (as in
+    the paper). The two folds together give one cross-fitted prediction per held-out question. Paired
+    changes adapter − untreated use ``evaluation.contrast`` (units (formulation, qkey) on common
+    support, question-cluster bootstrap CI, sign-flip p); Holm within each model × objective family;
+    the asymmetric success criterion is ``stats.success_criterion``.
+
+Files
+    ``adapters/<model>/<objective>/fold<k>/``  peft adapter (``adapter_model.safetensors``,
+        ``adapter_config.json``), ``training.json`` (resolved config, config hash, data hash, sizes,
+        timings, versions; written last, so its presence marks a finished adapter), ``loss_curve.json``
+        and ``loss_curve.png``, ``scored.jsonl`` (the held-out scored episodes).
+    Training is skipped when ``training.json`` exists with the same config hash (resume).
+
+``summaries/finetuning.json`` — structure (stable; claims cite it by JSON pointer)
+-----------------------------------------------------------------------------------
+A *delta object* is ``{"delta", "ci95", "p", "p_holm", "n_units", "n_clusters", "treatment",
+"baseline", "treated", "untreated"}``: ``delta`` = mean paired difference adapter − untreated over
+the units (formulation, qkey) of the common support (per formulation: that formulation's units;
+``pooled``: all units, clustered by qkey), ``ci95`` a question-cluster bootstrap interval, ``p`` the
+sign-flip permutation p-value, ``p_holm`` Holm-adjusted within the family named below, and
+``treated`` / ``untreated`` the two rates on that support (pooled: unweighted mean of the
+formulation rates). Rates in [0, 1]. ``<form>`` is a formulation or ``pooled``. ::
+
+    /schema_version                                     1
+    /run_name, /alpha, /n_boot, /n_perm, /matcher, /formulations
+    /config                                             resolved finetune parameters (+ defaults)
+    /metrics                                            {metric: definition} (retention, tool_follow,
+                                                        wrong_follow, err_abstain)
+    /holm_families                                      {"pooled": ..., "per_formulation": ...} (text)
+    /models/<model>/base                                prepared base checkpoint path
+    /models/<model>/folds/fold<k>                       {"train_questions", "train_chains",
+                                                        "train_examples", "train_excluded",
+                                                        "eval_questions", "eval_chains",
+                                                        "leakage_checked": true}
+    /models/<model>/adapters/<objective>/fold<k>        {"path", "config_hash", "resumed", "steps",
+                                                        "examples", "seconds", "seconds_per_step",
+                                                        "first_loss", "final_loss"}
+    /models/<model>/objectives/<objective>/deltas/<metric>/<form>   delta object; families:
+                                                        pooled = the four metrics' pooled deltas;
+                                                        per_formulation = the four metrics × the
+                                                        formulations
+    /models/<model>/objectives/<objective>/criterion    stats.success_criterion on the pooled
+                                                        retention and tool_follow deltas (Holm p):
+                                                        {"passed", "retention_up", "tool_drop",
+                                                        "retention_delta", "tool_delta", "reason", ...}
+    /models/<model>/objectives/<objective>/criterion_by_formulation/<form>   same, per formulation
+    /models/<model>/objectives/<objective>/n_episodes   held-out episodes scored for this objective
+
+Claims: e.g. ``/models/smollm2-135m-instruct/objectives/sft/deltas/retention/pooled/delta`` and
+``/models/smollm2-135m-instruct/objectives/dpo/criterion/passed``.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice
+from .records import Episode, Question
+
+SCHEMA_VERSION = 1
+OBJECTIVES = ("sft", "dpo")
+TRAIN_CONDITIONS = ("tool_right", "tool_wrong")
+EVAL_CONDITIONS = ("tool_right", "tool_wrong", "tool_error")
+METRICS = ("retention", "tool_follow", "wrong_follow", "err_abstain")
+
+#: Every key of the ``finetune`` parameter, with its default (see params/finetune.yaml).
+FT_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "objectives": ["sft", "dpo"],          # subset of sft, dpo
+    "folds": [0, 1],                       # training folds; each adapter is evaluated on the other fold
+    "train_formulations": None,            # None: the run's formulations
+    "train_questions_per_fold": None,      # None: every question of the fold (575 pool, excluded too)
+    "eval_questions_per_fold": None,       # None: every held-out question of the run's headline selection
+    "eval_conditions": list(EVAL_CONDITIONS),
+    "epochs": 1,                           # paper: 1 epoch
+    "max_steps": -1,                       # > 0 caps the optimizer steps (fast slices); -1: epochs
+    "learning_rate": 1e-4,                 # paper 1e-5; see params/finetune.yaml for the measurement
+    "lr_scheduler": "linear",
+    "warmup_ratio": 0.0,
+    "lora_r": 16,                          # paper: r 16 on q/k/v/o, alpha 32
+    "lora_alpha": 32,
+    "lora_dropout": 0.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "dpo_beta": 0.1,                       # paper: beta 0.1
+    "batch_size": 8,
+    "grad_accum": 1,
+    "max_length": 512,                     # tokens of prompt + completion (the with-tool prompts are ~170)
+    "train_dtype": "bfloat16",             # base weights during training (LoRA weights stay fp32)
+    "seed": None,                          # None: the run's seed
+    "threads": None,                       # torch threads during training (None: torch default)
+    "gradient_checkpointing": False,       # trl's default is True; off is ~1.3x faster (memory is no issue at 135M)
+}
+
+_TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_ratio", "lora_r",
+                  "lora_alpha", "lora_dropout", "target_modules", "dpo_beta", "batch_size", "grad_accum",
+                  "max_length", "train_dtype", "seed")
+
+
+class FinetuneError(MemtocError):
+    """Fine-tuning inputs are inconsistent (a leaking plan, no training data, a bad adapter dir)."""
+
+
+# ==================================================================================================
+# parameters
+
+def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
+    """The resolved ``finetune`` mapping: FT_DEFAULTS overlaid with ``P["finetune"]``, validated.
+
+    ``None`` defaults are resolved from the run (``train_formulations`` -> ``P["formulations"]``,
+    ``seed`` -> ``P["seed"]``). Errors name the field (``finetune.<key>``) and the fix.
+    """
+    raw = P.get("finetune") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: field 'finetune' must be a mapping (see params/finetune.yaml)")
+    unknown = sorted(set(raw) - set(FT_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown finetune key(s) {unknown}; valid keys are: {', '.join(FT_DEFAULTS)}")
+    f = copy.deepcopy(FT_DEFAULTS)
+    f.update(copy.deepcopy(raw))
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{source}: field 'finetune.{key}': {msg}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if not isinstance(f["enabled"], bool):
+        fail("enabled", f"must be true or false, got {f['enabled']!r}")
+    if isinstance(f["objectives"], str):
+        f["objectives"] = [f["objectives"]]
+    if not isinstance(f["objectives"], list) or not f["objectives"]:
+        fail("objectives", f"must be a non-empty list drawn from {list(OBJECTIVES)}")
+    for o in f["objectives"]:
+        if o not in OBJECTIVES:
+            fail("objectives", f"unknown objective {o!r}; valid objectives are: {', '.join(OBJECTIVES)}")
+    f["objectives"] = [o for o in OBJECTIVES if o in f["objectives"]]
+    if not isinstance(f["folds"], list) or not f["folds"] or not all(k in (0, 1) and is_int(k) for k in f["folds"]):
+        fail("folds", f"must be a non-empty list drawn from [0, 1] (the two chain-level folds), got {f['folds']!r}")
+    f["folds"] = sorted(set(f["folds"]))
+    forms = f["train_formulations"]
+    if forms is None:
+        forms = list(P.get("formulations") or FORMULATIONS)
+    if isinstance(forms, str):
+        forms = [forms]
+    if not isinstance(forms, list) or not forms or any(x not in FORMULATIONS for x in forms):
+        fail("train_formulations", f"must be null or a non-empty list drawn from {list(FORMULATIONS)}, got {forms!r}")
+    f["train_formulations"] = [x for x in FORMULATIONS if x in forms]
+    for key in ("train_questions_per_fold", "eval_questions_per_fold"):
+        v = f[key]
+        if v is not None and (not is_int(v) or v < 1):
+            fail(key, f"must be null (all) or a positive integer, got {v!r}")
+    conds = f["eval_conditions"]
+    if isinstance(conds, str):
+        conds = [conds]
+    if not isinstance(conds, list) or not conds or any(c not in EVAL_CONDITIONS for c in conds):
+        fail("eval_conditions", f"must be a non-empty list drawn from {list(EVAL_CONDITIONS)}, got {conds!r}")
+    f["eval_conditions"] = [c for c in EVAL_CONDITIONS if c in conds]
+    if not is_num(f["epochs"]) or f["epochs"] <= 0:
+        fail("epochs", f"must be a positive number, got {f['epochs']!r}")
+    if not is_int(f["max_steps"]) or f["max_steps"] == 0 or f["max_steps"] < -1:
+        fail("max_steps", f"must be -1 (train `epochs` epochs) or a positive integer, got {f['max_steps']!r}")
+    if not is_num(f["learning_rate"]) or not (0 < f["learning_rate"] < 1):
+        fail("learning_rate", f"must be a number in (0, 1), e.g. 1e-4, got {f['learning_rate']!r}")
+    f["learning_rate"] = float(f["learning_rate"])
+    check = {"lr_scheduler": ["linear", "constant", "cosine", "constant_with_warmup"]}
+    if f["lr_scheduler"] not in check["lr_scheduler"]:
+        fail("lr_scheduler", f"must be one of {check['lr_scheduler']}, got {f['lr_scheduler']!r}")
+    if not is_num(f["warmup_ratio"]) or not (0 <= f["warmup_ratio"] < 1):
+        fail("warmup_ratio", f"must be a number in [0, 1), got {f['warmup_ratio']!r}")
+    for key in ("lora_r", "lora_alpha", "batch_size", "grad_accum"):
+        if not is_int(f[key]) or f[key] < 1:
+            fail(key, f"must be a positive integer, got {f[key]!r}")
+    if not is_int(f["max_length"]) or f["max_length"] < 32:
+        fail("max_length", f"must be an integer >= 32 (tokens), got {f['max_length']!r}")
+    if not is_num(f["lora_dropout"]) or not (0 <= f["lora_dropout"] < 1):
+        fail("lora_dropout", f"must be a number in [0, 1), got {f['lora_dropout']!r}")
+    if not is_num(f["dpo_beta"]) or f["dpo_beta"] <= 0:
+        fail("dpo_beta", f"must be a positive number (paper: 0.1), got {f['dpo_beta']!r}")
+    tm = f["target_modules"]
+    if isinstance(tm, str):
+        tm = [tm]
+    if not isinstance(tm, list) or not tm or not all(isinstance(x, str) and x for x in tm):
+        fail("target_modules", f"must be a non-empty list of module names (e.g. q_proj), got {tm!r}")
+    f["target_modules"] = list(tm)
+    if f["train_dtype"] not in ("bfloat16", "float32"):
+        fail("train_dtype", f"must be bfloat16 or float32, got {f['train_dtype']!r}")
+    if f["seed"] is None:
+        f["seed"] = P.get("seed", PAPER_SEED)
+    if not is_int(f["seed"]) or f["seed"] < 0:
+        fail("seed", f"must be null (the run's seed) or a non-negative integer, got {f['seed']!r}")
+    if not isinstance(f["gradient_checkpointing"], bool):
+        fail("gradient_checkpointing", f"must be true or false, got {f['gradient_checkpointing']!r}")
+    if f["threads"] is not None and (not is_int(f["threads"]) or f["threads"] < 1):
+        fail("threads", f"must be null or a positive integer, got {f['threads']!r}")
+    return f
+
+
+# ==================================================================================================
+# training data (pure)
+
+@dataclass(frozen=True)
+class TrainExample:
+    """One training prompt with its preferred (chosen) and dispreferred (rejected) completion."""
+
+    question_id: str
+    qkey: str
+    instance_id: int
+    fold: Optional[int]
+    excluded: bool
+    formulation: str
+    condition: str          # tool_right | tool_wrong
+    tool_value: str
+    prompt: str             # the with-tool user turn (not yet chat-rendered)
+    chosen: str             # "FINAL: <gold>"
+    rejected: str           # "FINAL: <near>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def completion(answer: str) -> str:
+    """The protocol's final line for ``answer`` (the whole training completion)."""
+    return f"FINAL: {answer}"
+
+
+def training_examples(questions: Iterable[Question], formulations: Sequence[str] = FORMULATIONS) -> list[TrainExample]:
+    """The paper's training pairs: per question and formulation, a tool_wrong example (gold over
+    the tool's near value) and a tool_right example (the tool value = gold over the near value).
+
+    Prompts are the untreated, schema-frame with-tool prompts of ``episodes.build_episodes``.
+    Questions whose near value equals the gold (no contrast) are skipped.
+    """
+    from .episodes import build_episodes
+
+    questions = list(questions)
+    by_id = {q.id: q for q in questions}
+    out: list[TrainExample] = []
+    for ep in build_episodes(questions, list(formulations), TRAIN_CONDITIONS):
+        q = by_id[ep.question_id]
+        if not q.near or q.near.strip() == q.gold.strip():
+            continue
+        out.append(TrainExample(
+            question_id=q.id, qkey=q.qkey, instance_id=q.instance_id, fold=q.fold, excluded=q.excluded,
+            formulation=ep.formulation, condition=ep.condition, tool_value=ep.tool_value, prompt=ep.prompt,
+            chosen=completion(q.gold), rejected=completion(q.near)))
+    return out
+
+
+def sft_rows(examples: Sequence[TrainExample], render: Callable[[str], str]) -> list[dict[str, str]]:
+    """trl prompt-completion rows (completion-only loss): the rendered prompt and the chosen line."""
+    return [{"prompt": render(e.prompt), "completion": e.chosen} for e in examples]
+
+
+def dpo_rows(examples: Sequence[TrainExample], render: Callable[[str], str]) -> list[dict[str, str]]:
+    """trl preference rows: the rendered prompt, the chosen and the rejected line."""
+    return [{"prompt": render(e.prompt), "chosen": e.chosen, "rejected": e.rejected} for e in examples]
+
+
+# ==================================================================================================
+# cross-fitting plan (pure)
+
+@dataclass(frozen=True)
+class FoldPlan:
+    """Training questions of fold ``train_fold`` and the held-out questions its adapter is scored on."""
+
+    train_fold: int
+    train_questions: tuple[Question, ...]
+    eval_questions: tuple[Question, ...]
+
+    @property
+    def name(self) -> str:
+        return f"fold{self.train_fold}"
+
+    def describe(self, n_train_examples: Optional[int] = None) -> dict[str, Any]:
+        return {"train_fold": self.train_fold,
+                "train_questions": len(self.train_questions),
+                "train_chains": len({q.instance_id for q in self.train_questions}),
+                "train_excluded": sum(q.excluded for q in self.train_questions),
+                "train_examples": n_train_examples,
+                "eval_questions": len(self.eval_questions),
+                "eval_chains": len({q.instance_id for q in self.eval_questions})}
+
+
+def crossfit_plan(pool: Sequence[Question], eval_pool: Sequence[Question], folds: Sequence[int] = (0, 1),
+                  train_questions_per_fold: Optional[int] = None, eval_questions_per_fold: Optional[int] = None,
+                  seed: int = PAPER_SEED) -> list[FoldPlan]:
+    """One :class:`FoldPlan` per training fold.
+
+    ``pool``: the 575-question construction pool (``Benchmark.questions``; ``fold`` set). Training
+    questions of fold k: the pool's fold-k questions (excluded ones included), the first
+    ``train_questions_per_fold`` of ``select_questions`` (stratified, nested) when set.
+    ``eval_pool``: the analysis questions the run evaluates (in selection order); evaluation
+    questions of the fold-k adapter: those of another fold, not excluded, the first
+    ``eval_questions_per_fold`` when set.
+    """
+    from .benchmark import select_questions
+
+    missing = [q.id for q in list(pool) + list(eval_pool) if q.fold is None]
+    if missing:
+        raise FinetuneError(f"questions without a cross-fitting fold (e.g. {missing[:3]}); load them with "
+                            "benchmark.load_benchmark, which assigns the chain-level folds")
+    plans = []
+    for k in folds:
+        train = [q for q in pool if q.fold == k]
+        if not train:
+            raise FinetuneError(f"fold {k} has no questions in the pool; nothing to train on")
+        if train_questions_per_fold is not None:
+            train = select_questions(train, train_questions_per_fold, seed)
+        held = [q for q in eval_pool if q.fold != k and not q.excluded]
+        if eval_questions_per_fold is not None:
+            held = held[:eval_questions_per_fold]
+        plans.append(FoldPlan(k, tuple(train), tuple(held)))
+    return plans
+
+
+def check_no_leakage(plans: Sequence[FoldPlan], examples: Optional[dict[int, Sequence[TrainExample]]] = None) -> None:
+    """Raise FinetuneError if any evaluated question's chain (ToolHop instance) is in the training
+    data of the adapter that evaluates it, or if an excluded question would be scored.
+
+    ``examples`` (optional): the built training examples per training fold, checked as well."""
+    for p in plans:
+        train_chains = {q.instance_id for q in p.train_questions}
+        if examples is not None:
+            train_chains |= {e.instance_id for e in examples.get(p.train_fold, ())}
+        leak = sorted({q.instance_id for q in p.eval_questions} & train_chains)
+        if leak:
+            raise FinetuneError(f"{p.name}: {len(leak)} evaluated chain(s) are in the adapter's training "
+                                f"data (e.g. instance {leak[:5]}); cross-fitting must evaluate on the other fold")
+        excl = [q.id for q in p.eval_questions if q.excluded]
+        if excl:
+            raise FinetuneError(f"{p.name}: excluded question(s) {excl[:5]} would be scored; they may be "
+                                "trained on but never evaluated")
+
+
+# ==================================================================================================
+# training
+
+def adapter_dir(run_dir, model_label: str, objective: str, fold: int) -> Path:
+    return Path(run_dir) / "adapters" / model_label / objective / f"fold{fold}"
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def training_config(ft: dict[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters that define an adapter (shared by matched SFT and DPO runs)."""
+    return {k: ft[k] for k in _TRAINING_KEYS}
+
+
+def config_hash(objective: str, ft: dict[str, Any], base_weights: str, rows: Sequence[dict]) -> str:
+    """Hash of everything an adapter depends on: objective, hyper-parameters, base weights, data."""
+    return _sha({"objective": objective, "training": training_config(ft), "base_weights": base_weights,
+                 "data": _sha(list(rows))})[:16]
+
+
+def finished_adapter(path: Path, chash: str) -> Optional[dict[str, Any]]:
+    """The training record of a finished adapter with config hash ``chash`` at ``path`` (else None)."""
+    rec = path / "training.json"
+    if not rec.is_file() or not (path / "adapter_config.json").is_file():
+        return None
+    try:
+        info = json.loads(rec.read_text())
+    except ValueError:
+        return None
+    if info.get("config_hash") != chash or info.get("status") != "finished":
+        return None
+    if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        return None
+    return info
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+    out = {}
+    for pkg in ("torch", "transformers", "trl", "peft"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def loss_curve(log_history: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per logged step: step, loss, learning rate (+ DPO reward accuracy / margin when logged)."""
+    keep = ("loss", "learning_rate", "grad_norm", "rewards/accuracies", "rewards/margins",
+            "mean_token_accuracy", "epoch")
+    out = []
+    for h in log_history:
+        if "loss" in h and "step" in h:
+            out.append({"step": int(h["step"]), **{k: float(h[k]) for k in keep if k in h}})
+    return out
+
+
+def plot_loss_curve(curve: Sequence[dict], path, title: str = "") -> Path:
+    """Seaborn line plot of the training loss per step (``path``: .png)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    if curve:
+        sns.lineplot(data=pd.DataFrame(curve), x="step", y="loss", marker="o", ax=ax)
+    ax.set_title(title or "training loss")
+    ax.set_xlabel("optimizer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: str, ft: dict[str, Any],
+                  out_dir, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
+    """Train one LoRA adapter with trl (SFTTrainer or DPOTrainer) and write it to ``out_dir``.
+
+    ``spec``: the ``models.ModelSpec`` of the base (for prompt rendering). Returns the training
+    record (also written to ``out_dir/training.json``). When a finished adapter with the same config
+    hash exists, nothing is trained and its record is returned with ``resumed = True``.
+    """
+    check_choice("objective", objective, OBJECTIVES)
+    if not examples:
+        raise FinetuneError(f"{out_dir}: no training examples")
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import models
+
+    base_path = Path(base_path)
+    out_dir = Path(out_dir)
+    tok = AutoTokenizer.from_pretrained(base_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+    def render(p: str) -> str:
+        return models.render_prompt(tok, spec, p)[0]
+
+    rows = sft_rows(examples, render) if objective == "sft" else dpo_rows(examples, render)
+    chash = config_hash(objective, ft, models.weights_hash(base_path), rows)
+    done = finished_adapter(out_dir, chash)
+    if done is not None and not force:
+        return {**done, "resumed": True}
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    if ft.get("threads"):
+        torch.set_num_threads(int(ft["threads"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("training.json", "adapter_model.safetensors", "adapter_config.json"):
+        (out_dir / stale).unlink(missing_ok=True)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    lora = LoraConfig(r=ft["lora_r"], lora_alpha=ft["lora_alpha"], lora_dropout=ft["lora_dropout"],
+                      target_modules=list(ft["target_modules"]), task_type="CAUSAL_LM", bias="none")
+    common = dict(
+        output_dir=str(out_dir / "_trainer"), num_train_epochs=float(ft["epochs"]), max_steps=int(ft["max_steps"]),
+        learning_rate=ft["learning_rate"], lr_scheduler_type=ft["lr_scheduler"], warmup_steps=float(ft["warmup_ratio"]),
+        per_device_train_batch_size=ft["batch_size"], gradient_accumulation_steps=ft["grad_accum"],
+        max_length=ft["max_length"], seed=ft["seed"], data_seed=ft["seed"], logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=not progress,
+        dataloader_num_workers=0, gradient_checkpointing=bool(ft["gradient_checkpointing"]),
+    )
+    ds = Dataset.from_list(rows)
+    t0 = time.time()
+    if objective == "sft":
+        from trl import SFTConfig, SFTTrainer
+        args = SFTConfig(completion_only_loss=True, **common)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
+    else:
+        from trl import DPOConfig, DPOTrainer
+        args = DPOConfig(beta=float(ft["dpo_beta"]), **common)
+        trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
+    t_setup = time.time() - t0
+    t1 = time.time()
+    trainer.train()
+    seconds = time.time() - t1
+    trainer.model.save_pretrained(str(out_dir))
+    curve = loss_curve(trainer.state.log_history)
+    (out_dir / "loss_curve.json").write_text(json.dumps(curve, indent=1))
+    plot_loss_curve(curve, out_dir / "loss_curve.png", f"{spec.label} {objective.upper()} {out_dir.name}")
+    steps = int(trainer.state.global_step)
+    info = {
+        "status": "finished", "config_hash": chash, "objective": objective, "base": str(base_path),
+        "model": spec.name, "training": training_config(ft), "data_sha256": _sha(rows),
+        "examples": len(rows), "questions": len({e.question_id for e in examples}),
+        "chains": sorted({e.instance_id for e in examples}), "formulations": sorted({e.formulation for e in examples}),
+        "steps": steps, "seconds": round(seconds, 2), "setup_seconds": round(t_setup, 2),
+        "seconds_per_step": round(seconds / steps, 3) if steps else None,
+        "first_loss": curve[0]["loss"] if curve else None, "final_loss": curve[-1]["loss"] if curve else None,
+        "versions": _versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1))
+    import shutil
+    shutil.rmtree(out_dir / "_trainer", ignore_errors=True)
+    del trainer, model
+    return {**info, "resumed": False}
+
+
+# ==================================================================================================
+# evaluation and paired deltas
+
+def eval_episodes(questions: Sequence[Question], formulations: Sequence[str],
+                  conditions: Sequence[str] = EVAL_CONDITIONS) -> list[Episode]:
+    """Held-out episodes: untreated arm, schema frame, the default error payload."""
+    from .episodes import build_episodes
+    return build_episodes(list(questions), list(formulations), list(conditions))
+
+
+def score_with(generator, label: str, episodes: Sequence[Episode], memory, run_dir, matcher: str = "paper"):
+    """Generate (through the cache ``generations/<label>/``) and score ``episodes`` with the cells of
+    ``memory``; no scored file is written (the caller decides where)."""
+    from . import evaluation
+    replies = evaluation.generate_replies(generator, label, list(episodes), run_dir)
+    df = evaluation.score_episodes(list(episodes), [getattr(r, "text", r) for r in replies], memory,
+                                   matcher=matcher, model_label=label)
+    df["cached"] = [getattr(r, "cached", None) for r in replies]
+    return df
+
+
+def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequence[str] = METRICS,
+                  n_boot: int = 2000, n_perm: int = 10000, seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
+    """Paired changes adapter − untreated per metric, per formulation and pooled, with Holm and the
+    success criterion. ``treated`` / ``untreated``: scored frames of the same episodes.
+
+    Returns ``{"deltas": {metric: {form: delta object}}, "criterion": ..., "criterion_by_formulation": ...}``.
+    """
+    from . import evaluation, stats
+
+    deltas: dict[str, dict[str, Any]] = {}
+    for m in metrics:
+        tu, bu = evaluation.metric_units(treated, m), evaluation.metric_units(untreated, m)
+        deltas[m] = {}
+        for form in list(formulations) + ["pooled"]:
+            t = tu if form == "pooled" else tu[tu["formulation"] == form]
+            b = bu if form == "pooled" else bu[bu["formulation"] == form]
+            if form != "pooled" and len(t) == 0 and len(b) == 0:
+                continue
+            c = evaluation.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed,
+                                    treatment="adapter", baseline="untreated")
+            pu = evaluation.paired_units(t, b)
+            if len(pu):
+                rates = pu.groupby("formulation")[["t", "b"]].mean()
+                c["treated"], c["untreated"] = float(rates["t"].mean()), float(rates["b"].mean())
+            else:
+                c["treated"] = c["untreated"] = None
+            deltas[m][form] = c
+    evaluation.apply_holm({m: deltas[m]["pooled"] for m in metrics if "pooled" in deltas[m]})
+    evaluation.apply_holm({f"{m}/{f}": deltas[m][f] for m in metrics for f in deltas[m] if f != "pooled"})
+    for m in metrics:
+        for f, c in deltas[m].items():
+            c["family"] = "pooled" if f == "pooled" else "per_formulation"
+
+    def crit(form: str) -> Optional[dict]:
+        r, t = deltas["retention"].get(form), deltas["tool_follow"].get(form)
+        if not r or not t:
+            return None
+        return evaluation._plain(stats.success_criterion(r, t, alpha=alpha))
+
+    out = {"deltas": evaluation._plain(deltas)}
+    if "retention" in metrics and "tool_follow" in metrics:
+        out["criterion"] = crit("pooled")
+        out["criterion_by_formulation"] = {f: crit(f) for f in formulations if crit(f) is not None}
+    return out
+
+
+# ==================================================================================================
+# the stage
+
+def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> dict[str, Any]:
+    """Train every adapter (model × objective × fold; resumed when finished), evaluate each on its
+    held-out fold, compute the paired deltas and write ``summaries/finetuning.json``. Returns the
+    summary dict."""
+    from . import evaluation, models
+    from .benchmark import load_benchmark, select_questions
+
+    ft = finetune_params(P)
+    run_dir = Path(P.get("run_dir") or _run_dir(P))
+    P = {**P, "run_dir": run_dir}
+    if P.get("backend", "transformers") != "transformers":
+        raise ConfigError("finetune: adapters are trained and evaluated with the transformers backend; "
+                          f"set backend: transformers for this stage (got {P.get('backend')!r})")
+    bench = load_benchmark(P.get("release_dir"))
+    seed = P.get("seed", PAPER_SEED)
+    eval_pool = select_questions(bench.analysis, P["n_questions"], seed)
+    forms = list(P.get("formulations") or FORMULATIONS)
+    plans = crossfit_plan(bench.questions, eval_pool, ft["folds"], ft["train_questions_per_fold"],
+                          ft["eval_questions_per_fold"], seed)
+    examples = {p.train_fold: training_examples(p.train_questions, ft["train_formulations"]) for p in plans}
+    check_no_leakage(plans, examples)
+    n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
+    gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"), dtype=P.get("dtype", "auto"),
+                  max_new_tokens=P.get("max_new_tokens", 48), model_cache_dir=P.get("model_cache_dir"),
+                  **(P.get("backend_options") or {}))
+
+    summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "alpha": alpha, "n_boot": n_boot,
+        "n_perm": n_perm, "matcher": P.get("matcher", "paper"), "formulations": forms, "config": ft,
+        "metrics": {m: evaluation.METRIC_DOC[m] for m in METRICS},
+        "holm_families": {"pooled": "per model x objective: the four metrics' pooled deltas",
+                          "per_formulation": "per model x objective: the four metrics x the formulations"},
+        "models": {},
+    }
+    for model in P["models"]:
+        spec = models.get_model(model)
+        base = models.prepare_model(model, cache_dir=P.get("model_cache_dir"))
+        label = model
+        msum: dict[str, Any] = {"base": str(base), "folds": {}, "adapters": {}, "objectives": {}}
+        for p in plans:
+            msum["folds"][p.name] = {**p.describe(len(examples[p.train_fold])), "leakage_checked": True}
+        # 1. train
+        records: dict[str, dict[int, dict]] = {}
+        for obj in ft["objectives"]:
+            for p in plans:
+                path = adapter_dir(run_dir, label, obj, p.train_fold)
+                if progress:
+                    print(f"[finetune] {label} {obj} {p.name}: {len(examples[p.train_fold])} examples -> {path}")
+                rec = train_adapter(base, spec, examples[p.train_fold], obj, ft, path, progress=progress,
+                                    force=force_train)
+                records.setdefault(obj, {})[p.train_fold] = rec
+                msum["adapters"].setdefault(obj, {})[p.name] = {
+                    "path": str(path), "config_hash": rec["config_hash"], "resumed": rec["resumed"],
+                    "steps": rec["steps"], "examples": rec["examples"], "seconds": rec["seconds"],
+                    "seconds_per_step": rec["seconds_per_step"], "first_loss": rec["first_loss"],
+                    "final_loss": rec["final_loss"]}
+        # 2. untreated replies on every held-out episode (served from 03's cache where it ran)
+        eps_by_fold = {p.train_fold: eval_episodes(p.eval_questions, forms, ft["eval_conditions"]) for p in plans}
+        all_eps = list({e.episode_id: e for eps in eps_by_fold.values() for e in eps}.values())
+        if not all_eps:
+            raise FinetuneError("no held-out questions to evaluate (n_questions / eval_questions_per_fold too small)")
+        gen = models.load_generator(model, **gen_kw)
+        try:
+            memory = evaluation.ensure_memory(gen, label, bench, all_eps, P)
+            untreated = score_with(gen, label, all_eps, memory, run_dir, P.get("matcher", "paper"))
+        finally:
+            _close(gen)
+        # 3. each adapter on its held-out fold
+        for obj in ft["objectives"]:
+            parts = []
+            for p in plans:
+                path = adapter_dir(run_dir, label, obj, p.train_fold)
+                agen = models.load_generator(model, adapter=path, **gen_kw)
+                try:
+                    df = score_with(agen, f"{label}__{obj}__{p.name}", eps_by_fold[p.train_fold], memory, run_dir,
+                                    P.get("matcher", "paper"))
+                finally:
+                    _close(agen)
+                df["train_fold"] = p.train_fold
+                evaluation._write_jsonl(path / "scored.jsonl",
+                                        df.drop(columns=["schema"], errors="ignore").to_dict("records"))
+                parts.append(df)
+            import pandas as pd
+            treated = pd.concat(parts, ignore_index=True)
+            res = paired_deltas(treated, untreated, forms, METRICS, n_boot=n_boot, n_perm=n_perm, seed=0, alpha=alpha)
+            res["n_episodes"] = int(len(treated))
+            msum["objectives"][obj] = res
+        summary["models"][model] = msum
+    write_summary(summary, run_dir)
+    return summary
+
+
+def _run_dir(P: dict[str, Any]) -> Path:
+    from .config import run_dir
+    return run_dir(P)
+
+
+def _close(gen) -> None:
+    close = getattr(gen, "close", None)
+    if callable(close):
+        close()
+
+
+def write_summary(summary: dict[str, Any], run_dir) -> Path:
+    from .evaluation import _plain
+    path = Path(run_dir) / "summaries" / "finetuning.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_plain(summary), indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+    return path
+
+
+def read_summary(run_dir) -> dict[str, Any]:
+    path = Path(run_dir) / "summaries" / "finetuning.json"
+    if not path.is_file():
+        raise FinetuneError(f"{path} does not exist; run notebook 04_finetuning first")
+    return json.loads(path.read_text())
+
+
+# ==================================================================================================
+# tables and figures (for the notebook)
+
+def delta_table(summary: dict[str, Any]):
+    """Long DataFrame: model, objective, metric, formulation, delta, ci_lo, ci_hi, p, p_holm,
+    n_units, treated, untreated."""
+    import pandas as pd
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for obj, os_ in ms.get("objectives", {}).items():
+            for metric, by_form in os_.get("deltas", {}).items():
+                for form, c in by_form.items():
+                    ci = c.get("ci95") or [None, None]
+                    rows.append({"model": model, "objective": obj, "metric": metric, "formulation": form,
+                                 "delta": c.get("delta"), "ci_lo": ci[0], "ci_hi": ci[1], "p": c.get("p"),
+                                 "p_holm": c.get("p_holm"), "n_units": c.get("n_units"),
+                                 "treated": c.get("treated"), "untreated": c.get("untreated")})
+    return pd.DataFrame(rows)
+
+
+def criterion_table(summary: dict[str, Any]):
+    """DataFrame: model, objective, formulation (pooled + each), passed, retention/tool deltas, reason."""
+    import pandas as pd
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for obj, os_ in ms.get("objectives", {}).items():
+            items = [("pooled", os_.get("criterion"))] + list((os_.get("criterion_by_formulation") or {}).items())
+            for form, c in items:
+                if c:
+                    rows.append({"model": model, "objective": obj, "formulation": form, "passed": c["passed"],
+                                 "retention_delta": c["retention_delta"], "retention_p": c["retention_p"],
+                                 "tool_delta": c["tool_delta"], "tool_p": c["tool_p"], "reason": c["reason"]})
+    return pd.DataFrame(rows)
+
+
+def plot_deltas(summary: dict[str, Any], path) -> Path:
+    """Paired deltas (adapter − untreated) with 95% CIs: one panel per metric, objectives as colours,
+    formulations (and pooled) on the x axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import seaborn as sns
+
+    t = delta_table(summary).dropna(subset=["delta"])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metrics = [m for m in METRICS if m in set(t["metric"])] or list(METRICS)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.3 * len(metrics), 3.4), sharey=True, squeeze=False)
+    pal = dict(zip(OBJECTIVES, sns.color_palette("deep", len(OBJECTIVES))))
+    for ax, m in zip(axes[0], metrics):
+        d = t[t["metric"] == m]
+        forms = [f for f in list(FORMULATIONS) + ["pooled"] if f in set(d["formulation"])]
+        objs = [o for o in OBJECTIVES if o in set(d["objective"])]
+        for j, o in enumerate(objs):
+            for i, f in enumerate(forms):
+                r = d[(d["objective"] == o) & (d["formulation"] == f)]
+                if r.empty:
+                    continue
+                r = r.iloc[0]
+                x = i + (j - (len(objs) - 1) / 2) * 0.25
+                lo = r["delta"] - r["ci_lo"] if r["ci_lo"] is not None and not np.isnan(r["ci_lo"]) else 0
+                hi = r["ci_hi"] - r["delta"] if r["ci_hi"] is not None and not np.isnan(r["ci_hi"]) else 0
+                ax.errorbar(x, r["delta"], yerr=[[lo], [hi]], fmt="o", color=pal[o], capsize=3,
+                            label=o.upper() if i == 0 else None)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(forms)))
+        ax.set_xticklabels(forms, rotation=30, ha="right")
+        ax.set_title(m)
+    axes[0][0].set_ylabel("adapter − untreated")
+    axes[0][0].legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
