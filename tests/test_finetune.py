@@ -1,0 +1,225 @@
+"""Fine-tuning: parameters, pair construction, cross-fitting without leakage, paired deltas (pure, fast)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from memtoc import finetune as F
+from memtoc.benchmark import load_benchmark, select_questions
+from memtoc.config import FORMULATIONS, ConfigError, load_params
+from memtoc.metrics import synthetic_arm
+from memtoc.records import Question
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark()
+
+
+def _q(i: int, chain: int, fold: int, excluded: bool = False, far: str | None = "Far Town") -> Question:
+    return Question(id=f"{chain}.{i}", instance_id=chain, hop_idx=i, qkey=f"q{chain}x{i}",
+                    question=f"Where was person {chain}-{i} born?", gold=f"Gold City {i}",
+                    gold_kind="place", family="birth_death_place", near=f"Near City {i}",
+                    near_original=f"Near City {i}", far=far, excluded=excluded, fold=fold)
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters
+
+def test_defaults_are_the_paper_configuration():
+    ft = F.finetune_params(load_params(None))
+    assert ft["lora_r"] == 16 and ft["lora_alpha"] == 32 and ft["epochs"] == 1 and ft["dpo_beta"] == 0.1
+    assert ft["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert ft["objectives"] == ["sft", "dpo"] and ft["folds"] == [0, 1]
+    assert ft["train_formulations"] == list(FORMULATIONS)
+    assert ft["seed"] == load_params(None)["seed"]
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"objectives": ["ppo"]}, "finetune.objectives"),
+    ({"learning_rate": 0}, "finetune.learning_rate"),
+    ({"folds": [2]}, "finetune.folds"),
+    ({"max_steps": 0}, "finetune.max_steps"),
+    ({"lora_r": "16"}, "finetune.lora_r"),
+    ({"train_formulations": ["nope"]}, "finetune.train_formulations"),
+    ({"eval_conditions": ["no_tool"]}, "finetune.eval_conditions"),
+    ({"lr": 1e-4}, "unknown finetune key"),
+])
+def test_bad_finetune_params_name_the_field(bad, field):
+    with pytest.raises(ConfigError, match=field):
+        F.finetune_params(load_params(None, overrides={"finetune": bad}))
+
+
+def test_training_config_is_shared_by_objectives():
+    ft = F.finetune_params(load_params(None))
+    rows = [{"prompt": "p", "completion": "c"}]
+    h_sft = F.config_hash("sft", ft, "w", rows)
+    assert h_sft == F.config_hash("sft", ft, "w", rows)
+    assert h_sft != F.config_hash("dpo", ft, "w", rows)
+    assert h_sft != F.config_hash("sft", {**ft, "learning_rate": 1e-5}, "w", rows)
+    assert h_sft != F.config_hash("sft", ft, "w2", rows)
+    assert h_sft != F.config_hash("sft", ft, "w", [{"prompt": "p", "completion": "d"}])
+    assert h_sft == F.config_hash("sft", {**ft, "enabled": False, "eval_questions_per_fold": 3}, "w", rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# pair construction
+
+def test_pairs_follow_the_paper_rule():
+    qs = [_q(0, 1, 0), _q(1, 1, 0)]
+    ex = F.training_examples(qs, FORMULATIONS)
+    assert len(ex) == 2 * 2 * 3     # two examples per question and formulation
+    for e in ex:
+        q = next(q for q in qs if q.id == e.question_id)
+        assert e.chosen == f"FINAL: {q.gold}" and e.rejected == f"FINAL: {q.near}"
+        assert q.question in e.prompt
+        if e.condition == "tool_wrong":       # verified answer preferred over the tool's near value
+            assert e.tool_value == q.near and f'"result": "{q.near}"' in e.prompt
+        else:                                 # the tool value (= gold) preferred over the near value
+            assert e.condition == "tool_right"
+            assert e.tool_value == q.gold and f'"result": "{q.gold}"' in e.prompt
+        assert q.far not in e.prompt + e.chosen + e.rejected   # far values are held out
+    assert {e.formulation for e in ex} == set(FORMULATIONS)
+
+
+def test_pairs_use_the_with_tool_prompts_of_evaluation(bench):
+    q = bench.questions[0]
+    ex = F.training_examples([q], ["paraphrase_a"])
+    eps = F.eval_episodes([q], ["paraphrase_a"], ("tool_right", "tool_wrong"))
+    assert sorted(e.prompt for e in ex) == sorted(e.prompt for e in eps)
+
+
+def test_formulation_subset_and_degenerate_pairs():
+    same = dataclasses.replace(_q(2, 2, 0), near="Gold City 2")
+    ex = F.training_examples([_q(0, 1, 0), same], ["reference"])
+    assert {e.question_id for e in ex} == {"1.0"} and len(ex) == 2
+
+
+def test_sft_and_dpo_rows_share_prompts():
+    ex = F.training_examples([_q(0, 1, 0)], ["reference"])
+    render = lambda p: f"<user>{p}<assistant>"
+    sft, dpo = F.sft_rows(ex, render), F.dpo_rows(ex, render)
+    assert [r["prompt"] for r in sft] == [r["prompt"] for r in dpo]
+    assert all(r["prompt"].startswith("<user>") for r in sft)
+    assert [r["completion"] for r in sft] == [r["chosen"] for r in dpo]
+    assert all(r["completion"].startswith("FINAL: ") for r in sft)
+    assert all(r["rejected"] != r["chosen"] for r in dpo)
+
+
+# ----------------------------------------------------------------------------------------------
+# cross-fitting
+
+def test_no_evaluated_chain_in_its_adapters_training_data(bench):
+    pool = select_questions(bench.analysis, 542)
+    plans = F.crossfit_plan(bench.questions, pool, [0, 1])
+    examples = {p.train_fold: F.training_examples(p.train_questions, ["reference"]) for p in plans}
+    F.check_no_leakage(plans, examples)
+    evaluated = set()
+    for p in plans:
+        train_chains = {e.instance_id for e in examples[p.train_fold]}
+        eval_chains = {q.instance_id for q in p.eval_questions}
+        assert train_chains and eval_chains
+        assert not (train_chains & eval_chains)
+        assert all(q.fold != p.train_fold and not q.excluded for q in p.eval_questions)
+        evaluated |= {q.id for q in p.eval_questions}
+    # together the two adapters score every analysis question exactly once
+    assert evaluated == {q.id for q in bench.analysis}
+    assert sum(len(p.eval_questions) for p in plans) == len(bench.analysis)
+    # excluded questions may be trained on
+    assert any(q.excluded for p in plans for q in p.train_questions)
+
+
+def test_slices_keep_the_folds_apart(bench):
+    pool = select_questions(bench.analysis, 40)
+    plans = F.crossfit_plan(bench.questions, pool, [0, 1], train_questions_per_fold=10, eval_questions_per_fold=5)
+    F.check_no_leakage(plans)
+    for p in plans:
+        assert len(p.train_questions) == 10 and len(p.eval_questions) <= 5
+        assert all(q.fold == p.train_fold for q in p.train_questions)
+        assert [q.id for q in p.eval_questions] == [q.id for q in pool if q.fold != p.train_fold][:5]
+
+
+def test_leaking_plan_is_refused():
+    a, b = _q(0, 7, 0), _q(1, 7, 1)     # same chain in both folds: a broken fold assignment
+    plan = F.FoldPlan(0, (a,), (b,))
+    with pytest.raises(F.FinetuneError, match="evaluated chain"):
+        F.check_no_leakage([plan])
+    plan = F.FoldPlan(0, (_q(0, 1, 0),), (_q(0, 2, 1, excluded=True),))
+    with pytest.raises(F.FinetuneError, match="excluded"):
+        F.check_no_leakage([plan])
+    ok = F.FoldPlan(0, (_q(0, 1, 0),), (_q(0, 2, 1),))
+    leak = {0: F.training_examples([_q(0, 2, 0)], ["reference"])}   # built data reaching into chain 2
+    with pytest.raises(F.FinetuneError):
+        F.check_no_leakage([ok], leak)
+
+
+def test_plan_requires_folds():
+    q = dataclasses.replace(_q(0, 1, 0), fold=None)
+    with pytest.raises(F.FinetuneError, match="fold"):
+        F.crossfit_plan([q], [q], [0])
+
+
+# ----------------------------------------------------------------------------------------------
+# paired deltas and the criterion
+
+def _treated_with_more_retention(base: pd.DataFrame, share: float, seed: int = 1) -> pd.DataFrame:
+    t = base.copy()
+    rng = np.random.default_rng(seed)
+    arb = t.index[(t["condition"] == "tool_wrong") & (t["cell"] == "arb") & (t["outcome"] != "kept_memory")]
+    flip = arb[rng.random(len(arb)) < share]
+    t.loc[flip, "outcome"] = "kept_memory"
+    t.loc[flip, "kept_memory"] = True
+    t.loc[flip, "followed_tool"] = False
+    return t
+
+
+def test_paired_deltas_detect_a_retention_gain():
+    base = synthetic_arm(120, seed=3)
+    treated = _treated_with_more_retention(base, 0.6)
+    res = F.paired_deltas(treated, base, list(FORMULATIONS), n_boot=300, n_perm=300)
+    ret = res["deltas"]["retention"]["pooled"]
+    assert ret["delta"] > 0.3 and ret["ci95"][0] > 0 and ret["p_holm"] < 0.05
+    assert ret["treated"] - ret["untreated"] == pytest.approx(np.mean(
+        [res["deltas"]["retention"][f]["treated"] - res["deltas"]["retention"][f]["untreated"] for f in FORMULATIONS]))
+    assert res["deltas"]["tool_follow"]["pooled"]["delta"] == 0
+    assert res["criterion"]["passed"] is True
+    assert set(res["criterion_by_formulation"]) == set(FORMULATIONS)
+    # Holm inside the pooled family: adjusted p is never below the raw p
+    for m in F.METRICS:
+        c = res["deltas"][m]["pooled"]
+        assert c["p_holm"] is None or c["p_holm"] >= c["p"]
+
+
+def test_no_change_fails_the_criterion():
+    base = synthetic_arm(60, seed=4)
+    res = F.paired_deltas(base.copy(), base, list(FORMULATIONS), n_boot=100, n_perm=100)
+    assert res["deltas"]["retention"]["pooled"]["delta"] == 0
+    assert res["criterion"]["passed"] is False
+    assert "retention" in res["criterion"]["reason"]
+
+
+def test_tool_drop_fails_the_criterion():
+    base = synthetic_arm(150, seed=5)
+    treated = _treated_with_more_retention(base, 0.6)
+    tg = treated.index[(treated["condition"] == "tool_right") & (treated["cell"] == "tool_gold")]
+    treated.loc[tg, "followed_tool"] = False
+    res = F.paired_deltas(treated, base, list(FORMULATIONS), n_boot=200, n_perm=200)
+    assert res["deltas"]["tool_follow"]["pooled"]["delta"] < 0
+    assert res["criterion"]["tool_drop"] is True and res["criterion"]["passed"] is False
+
+
+def test_summary_tables_and_figure(tmp_path):
+    base = synthetic_arm(40, seed=6)
+    res = F.paired_deltas(_treated_with_more_retention(base, 0.5), base, list(FORMULATIONS), n_boot=50, n_perm=50)
+    summary = {"models": {"m": {"objectives": {"sft": res, "dpo": res}}}}
+    t = F.delta_table(summary)
+    assert len(t) == 2 * 4 * 4 and set(t["formulation"]) == set(FORMULATIONS) | {"pooled"}
+    c = F.criterion_table(summary)
+    assert set(c["objective"]) == {"sft", "dpo"} and c["passed"].dtype == bool
+    assert F.plot_deltas(summary, tmp_path / "d.png").stat().st_size > 0
+    assert F.plot_loss_curve([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "l.png").is_file()
+    p = F.write_summary({"models": {}, "x": float("nan")}, tmp_path)
+    assert F.read_summary(tmp_path) == {"models": {}, "x": None} and p.name == "finetuning.json"
