@@ -392,7 +392,7 @@ def resolve_all(run_dir: str | Path, registry: str | Path | dict | None = None) 
                 table = {k: _fill(str(v), env) for k, v in spec["table"].items()}
             template = _fill(spec["statement"], {**env, "value": "{value}"})
             out.append(Claim(
-                id=cid, statement=template.replace("{value}", value), template=template, file=rel,
+                id=cid, statement=fill_statement(template, value), template=template, file=rel,
                 pointers=pointers, rounding=spec["rounding"], value=value, raw=raw,
                 derive=spec.get("derive"), sha256=files.load(rel)[1], section=spec.get("section", ""),
                 table=table, required=required))
@@ -440,6 +440,13 @@ def read_claims(run_dir: str | Path) -> tuple[list[Claim], dict]:
     return [Claim.from_dict(d, str(path)) for d in doc["claims"]], doc
 
 
+def fill_statement(template: str, value: str) -> str:
+    """The statement with its printed value (a missing value drops the unit: "n/a", not "n/a%")."""
+    if value == "n/a":
+        template = template.replace("{value}%", "{value}")
+    return template.replace("{value}", value)
+
+
 def tag(claim: Claim | str, value: str | None = None) -> str:
     """The report's marker for one printed claim value."""
     if isinstance(claim, Claim):
@@ -448,7 +455,8 @@ def tag(claim: Claim | str, value: str | None = None) -> str:
 
 
 def tagged_statement(c: Claim) -> str:
-    return c.template.replace("{value}", tag(c))
+    t = c.template.replace("{value}%", "{value}") if c.value == "n/a" else c.template
+    return t.replace("{value}", tag(c))
 
 
 def untagged_numbers(markdown: str) -> list[str]:
@@ -553,7 +561,7 @@ def verify(run_dir: str | Path, check_report: bool = True,
         notes = []
         if derived != c.value:
             notes.append(f"printed {c.value!r} but the file gives {derived!r}")
-        if c.template.replace("{value}", c.value) != c.statement:
+        if fill_statement(c.template, c.value) != c.statement:
             notes.append("statement text does not carry the printed value")
         if notes:
             row.detail = "; ".join(notes)

@@ -361,3 +361,8 @@ def test_a_model_added_after_the_report_is_caught(built):
     bad = {r.id: r.detail for r in res.failures}
     assert "report:registry" in bad
     assert "headline.retention" in bad["report:registry"] and "main.tiny-c.untreated.retention" in bad["report:registry"]
+
+
+def test_fill_statement_drops_the_unit_of_a_missing_value():
+    assert C.fill_statement("retention is {value}%.", "12.5") == "retention is 12.5%."
+    assert C.fill_statement("retention is {value}%.", "n/a") == "retention is n/a."
