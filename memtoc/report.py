@@ -39,7 +39,8 @@ def _table(rows_claims: list[C.Claim]) -> str:
 
 def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str, str],
                   figures: list[Path], run_name: str, provenance: Optional[dict] = None,
-                  captions: Optional[dict[str, str]] = None) -> str:
+                  captions: Optional[dict[str, str]] = None,
+                  figure_sections: Optional[dict[str, str]] = None) -> str:
     """The Markdown text of the report (pure: no file access)."""
     md: list[str] = [f"# MemToC reproduction report: run `{run_name}`", ""]
     md.append("Every number below is read from the run's summaries through the claim registry "
@@ -48,9 +49,12 @@ def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str
               "pooled values are the unweighted mean over the formulations.")
     md.append("")
     order = list(sections) + sorted({c.section for c in claims} - set(sections))
+    placed = {f.stem: (figure_sections or {}).get(f.stem) for f in figures}
+    shown: set[str] = set()
     for sec in order:
         items = [c for c in claims if c.section == sec]
-        if not items:
+        figs = [f for f in figures if placed[f.stem] == sec]
+        if not items and not figs:
             continue
         md += [f"## {sections.get(sec, sec or 'Other claims')}", ""]
         prose = [c for c in items if not c.table]
@@ -65,9 +69,13 @@ def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str
         for name, tc in tables.items():
             cap = (captions or {}).get(name)
             md += [f"Table `{name}`" + (f": {cap}" if cap else ""), "", _table(tc), ""]
-    if figures:
+        for f in figs:
+            md += [f"![`{f.stem}`](../figures/{f.name})", ""]
+            shown.add(f.name)
+    rest = [f for f in figures if f.name not in shown]
+    if rest:
         md += ["## Figures", ""]
-        for f in figures:
+        for f in rest:
             md += [f"![`{f.stem}`](../figures/{f.name})", ""]
     if omitted:
         md += ["## Not part of this run", "",
@@ -106,7 +114,7 @@ def build_report(run_dir: str | Path, registry: str | Path | None = None) -> tup
     claims_path = C.write_claims(run_dir, claims, omitted, registry)
     figures = sorted((run_dir / "figures").glob("*.png")) if (run_dir / "figures").is_dir() else []
     md = render_report(claims, omitted, reg.get("sections") or {}, figures, run_dir.name, _provenance(run_dir),
-                       reg.get("tables") or {})
+                       reg.get("tables") or {}, reg.get("figures") or {})
     report_path = run_dir / "paper" / "report.md"
     report_path.write_text(md)
     return report_path, claims_path, claims

@@ -366,3 +366,17 @@ def test_a_model_added_after_the_report_is_caught(built):
 def test_fill_statement_drops_the_unit_of_a_missing_value():
     assert C.fill_statement("retention is {value}%.", "12.5") == "retention is 12.5%."
     assert C.fill_statement("retention is {value}%.", "n/a") == "retention is n/a."
+
+
+def test_figures_are_referenced_in_their_section(tmp_path):
+    run = make_run(tmp_path)
+    (run / "figures").mkdir()
+    for name in ("headline.png", "extra_2.png"):
+        (run / "figures" / name).write_bytes(b"\x89PNG")
+    R.build_report(run)
+    md = (run / "paper" / "report.md").read_text()
+    main = md.index("## Main table")
+    assert main < md.index("](../figures/headline.png)") < md.index("## Per-formulation results")
+    assert md.count("../figures/headline.png") == 1
+    assert md.index("## Figures") < md.index("](../figures/extra_2.png)")
+    assert C.verify(run).ok        # figure file names are not untagged numbers
