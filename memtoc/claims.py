@@ -545,7 +545,9 @@ def verify(run_dir: str | Path, check_report: bool = True,
            registry: str | Path | dict | None = None) -> VerificationResult:
     """Re-derive every claim of ``<run_dir>/paper/claims.json`` from its file and diff it."""
     run_dir = Path(run_dir)
-    claims, _doc = read_claims(run_dir)
+    claims, doc = read_claims(run_dir)
+    if registry is None and doc.get("registry") and Path(doc["registry"]).is_file():
+        registry = doc["registry"]          # the registry the report was built from
     files = _Files(run_dir)
     res = VerificationResult(kind="run", target=str(run_dir))
     for c in claims:
