@@ -238,3 +238,65 @@ def test_summary_json_structure(run):
     assert len(ev.contrast_table(s2, "prompting")) == 3 * 4
     assert len(ev.contrast_table(s2, "far")) >= 2
     assert not ev.arms_table(s2, "frames").empty
+
+
+class KeyedFake:
+    """A generator with cache keys (like memtoc's): records each generate call's prompts."""
+
+    def __init__(self, answer, fail_on_call=None):
+        self.identity = {"model": "keyed-fake", "v": 1}
+        self.answer, self.fail_on_call = answer, fail_on_call
+        self.calls: list[list[str]] = []
+
+    def key(self, prompt):
+        from memtoc.cache import request_key
+        return request_key(self.identity, prompt)
+
+    def generate(self, prompts, cache_path=None, desc=None):
+        assert cache_path is None
+        self.calls.append(list(prompts))
+        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+            raise KeyboardInterrupt("killed")
+        from memtoc.backends.base import Reply
+        return [Reply(self.answer(p), 10, 3, 0.01, self.key(p), False, "eos") for p in prompts]
+
+
+def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_path):
+    from memtoc import cache
+    from memtoc.prompts import closed_book_prompt
+
+    P = _params(n_questions=6, n_questions_extra=4, formulations=["reference"])
+    eps = run_episodes(bench, P)
+    answer = _answer_by_episode(eps)
+    gen_dir = tmp_path / "generations" / "fake"
+    # the elicitation already answered the forced closed-book prompts: no_tool must reuse them
+    g0 = KeyedFake(answer)
+    cb = [e for e in eps if e.condition == "no_tool"]
+    cache.append_records(gen_dir / "closed_book_forced__reference.jsonl",
+                         [{"key": g0.key(e.prompt), "text": "FINAL: x", "n_new_tokens": 2} for e in cb])
+    assert all(e.prompt == closed_book_prompt(e.question, "reference", "forced") for e in cb)
+
+    # killed during the second chunk: the first chunk's replies are already in their arm files
+    g1 = KeyedFake(answer, fail_on_call=2)
+    with pytest.raises(KeyboardInterrupt):
+        ev.generate_replies(g1, "fake", eps, tmp_path, chunk=16)
+    done = sum(len(cache.read_cache(p)) for p in gen_dir.glob("*.jsonl")) - len(cb)
+    assert done == 16
+    first_chunk = set(g1.calls[0])
+    assert len({e.arm_key for e in eps if e.prompt in first_chunk}) > 1   # one call spans several arms
+
+    g2 = KeyedFake(answer)
+    reps = ev.generate_replies(g2, "fake", eps, tmp_path, chunk=16)
+    regenerated = [p for call in g2.calls for p in call]
+    assert not (set(regenerated) & first_chunk)                    # finished work is not redone
+    assert not (set(regenerated) & {e.prompt for e in cb})         # no_tool never regenerated
+    assert len(regenerated) == len({e.prompt for e in eps}) - len(cb) - 16
+    assert [r.text for r in reps] == [("FINAL: x" if e.condition == "no_tool" else answer(e.prompt)) for e in eps]
+    # one file per arm, holding exactly its own episodes' replies
+    for stem, idx in ev.group_episodes(eps).items():
+        recs = cache.read_cache(gen_dir / f"{stem}.jsonl")
+        assert set(recs) == {g2.key(eps[i].prompt) for i in idx}, stem
+    # a rerun is served entirely from the cache
+    g3 = KeyedFake(answer)
+    reps3 = ev.generate_replies(g3, "fake", eps, tmp_path)
+    assert g3.calls == [] and all(r.cached for r in reps3)
