@@ -46,7 +46,8 @@ def test_plan_batches_token_budget():
     b = _plan("auto", lengths, budget=300, new=10)
     for batch in b:
         assert len(batch) * (max(lengths[i] for i in batch) + 10) <= 300 or len(batch) == 1
-    assert b[0] == [0, 1, 2] and [len(x) for x in b[1:]] == [6]
+    assert b[0] == [0, 1, 2] and [len(x) for x in b[1:]] == [6]  # evening out would break the budget
+    assert [len(x) for x in _plan("auto", [40] * 9, budget=300, new=10)] == [5, 4]  # greedy 6+3, evened
     assert _plan("auto", [5] * 10, budget=10 ** 6, max_batch=4)[0] == [0, 1, 2, 3]
 
 

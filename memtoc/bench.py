@@ -1,0 +1,186 @@
+"""Speed benchmarks: ``memtoc bench generation [--json] [--n 64]`` and ``memtoc bench stats``.
+
+generation
+    The same ``n`` with-tool prompts of the embedded model (reference formulation, the first
+    questions of the deterministic selection, conditions tool_right / tool_wrong / tool_error in
+    turn), generated twice with identical decoding settings (greedy, ``max_new_tokens``, the
+    FINAL-line stop, bf16): once one prompt at a time (a ``generate`` loop, batch size 1) and once
+    with the batched backend (length-sorted batches, ``batch_size``). Reported per episode: seconds
+    in each mode, their ratio, prompt and new tokens of each mode, and the compute bound
+
+        (2 x non-embedding params x prompt tokens + 2 x params x new tokens) / matmul rate
+
+    where the rate is the best of a few bf16 ``torch.matmul`` (2048 x 2048) timings measured in the
+    same run; ``bound_ratio`` = batched seconds / bound. Also reported: how many replies differ
+    between the modes (bf16 batching may flip a greedy token), and, with ``--check-stop``, how often
+    the FINAL-line early stop changes the extracted answer (one extra batched run without it).
+    The CPU is shared: run it at a quiet moment and read ``load_avg`` in the output.
+
+stats
+    ``memtoc.stats.run_benchmark()`` (bootstrap and sign-flip timings), printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any, Optional
+
+
+def matmul_rate(dtype: str = "bfloat16", n: int = 2048, repeats: int = 5) -> float:
+    """Best observed FLOP/s of an n x n x n torch matmul in ``dtype`` (on the current device)."""
+    import torch
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n, dtype=dt)
+    b = torch.randn(n, n, dtype=dt)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def bench_prompts(n: int, release_dir: Optional[str] = None) -> list[str]:
+    from .benchmark import load_benchmark, select_questions
+    from .episodes import build_episodes
+
+    bench = load_benchmark(release_dir)
+    conds = ("tool_right", "tool_wrong", "tool_error")
+    qs = select_questions(bench.analysis, n, 0)
+    prompts = []
+    for i, q in enumerate(qs):
+        ep = build_episodes([q], ["reference"], [conds[i % len(conds)]])[0]
+        prompts.append(ep.prompt)
+    return prompts[:n]
+
+
+def param_counts(model) -> tuple[int, int]:
+    """(all parameters, non-embedding parameters); tied input/output embeddings counted once."""
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    return total, total - emb
+
+
+def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int = 48, dtype: str = "auto",
+                     model: str = "smollm2-135m-instruct", check_stop: bool = False,
+                     loop_n: Optional[int] = None, release_dir: Optional[str] = None) -> dict[str, Any]:
+    import torch
+
+    from .models import load_generator
+    from .scoring import extract_final
+
+    prompts = bench_prompts(n, release_dir)
+    gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
+                         show_progress=False)
+    total_params, non_emb = param_counts(gen.model)
+    rate = matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32")
+
+    gen.generate(prompts[:2])  # warm-up (allocator, kernels), not timed
+    loop_prompts = prompts[: (loop_n or n)]
+    gen.batch_size = 1
+    t0 = time.perf_counter()
+    loop = [gen.generate([p])[0] for p in loop_prompts]
+    t_loop = time.perf_counter() - t0
+
+    gen.batch_size = batch_size
+    t0 = time.perf_counter()
+    batched = gen.generate(prompts)
+    t_batch = time.perf_counter() - t0
+    batches = gen.plan_batches([r.n_prompt_tokens for r in batched])
+
+    prompt_tok = sum(r.n_prompt_tokens for r in batched)
+    new_tok = sum(r.n_new_tokens for r in batched)
+    bound = (2 * non_emb * prompt_tok + 2 * total_params * new_tok) / rate / n
+    s_loop, s_batch = t_loop / len(loop), t_batch / n
+    out: dict[str, Any] = {
+        "model": model, "n_episodes": n, "n_episodes_loop": len(loop), "batch_size": batch_size,
+        "batch_sizes": [len(b) for b in batches], "dtype": str(gen.torch_dtype).replace("torch.", ""),
+        "max_new_tokens": max_new_tokens, "stop_at_final": gen.stop_at_final,
+        "s_per_episode_loop": s_loop, "s_per_episode_batched": s_batch, "speedup_vs_loop": s_loop / s_batch,
+        "compute_bound_s_per_episode": bound, "bound_ratio": s_batch / bound,
+        "matmul_rate_gflops": rate / 1e9, "params": total_params, "non_embedding_params": non_emb,
+        "prompt_tokens_per_episode_batched": prompt_tok / n, "new_tokens_per_episode_batched": new_tok / n,
+        "prompt_tokens_per_episode_loop": sum(r.n_prompt_tokens for r in loop) / len(loop),
+        "new_tokens_per_episode_loop": sum(r.n_new_tokens for r in loop) / len(loop),
+        "replies_differing_loop_vs_batched": sum(a.text != b.text for a, b in zip(loop, batched)),
+        "finish_batched": {k: sum(r.finish == k for r in batched) for k in ("eos", "final_line", "length")},
+        "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(), "torch": torch.__version__,
+    }
+    if check_stop:
+        gen.stop_at_final = False
+        t0 = time.perf_counter()
+        full = gen.generate(prompts)
+        t_full = time.perf_counter() - t0
+        out.update({
+            "s_per_episode_batched_no_final_stop": t_full / n,
+            "new_tokens_per_episode_no_final_stop": sum(r.n_new_tokens for r in full) / n,
+            "final_stop_speedup": t_full / t_batch,
+            "final_stop_changed_extraction": sum(extract_final(a.text) != extract_final(b.text)
+                                                 for a, b in zip(batched, full)),
+        })
+    gen.close()
+    return out
+
+
+def _print_generation(r: dict[str, Any]) -> None:
+    print(f"generation benchmark: {r['model']}, {r['n_episodes']} with-tool prompts "
+          f"(loop over {r['n_episodes_loop']}), {r['dtype']}, max_new_tokens {r['max_new_tokens']}, "
+          f"FINAL-line stop {r['stop_at_final']}")
+    print(f"  one-by-one loop : {r['s_per_episode_loop']:.3f} s/episode "
+          f"({r['prompt_tokens_per_episode_loop']:.0f} prompt + {r['new_tokens_per_episode_loop']:.1f} new tokens)")
+    print(f"  batched         : {r['s_per_episode_batched']:.3f} s/episode "
+          f"({r['prompt_tokens_per_episode_batched']:.0f} prompt + {r['new_tokens_per_episode_batched']:.1f} new tokens; "
+          f"batches {r['batch_sizes']})")
+    print(f"  speedup vs loop : {r['speedup_vs_loop']:.2f}x")
+    print(f"  compute bound   : {r['compute_bound_s_per_episode']:.3f} s/episode at {r['matmul_rate_gflops']:.0f} "
+          f"GFLOP/s (bf16 matmul); batched / bound = {r['bound_ratio']:.2f}")
+    print(f"  replies differing loop vs batched: {r['replies_differing_loop_vs_batched']}; "
+          f"load avg {r['load_avg_1m']}")
+    if "final_stop_speedup" in r:
+        print(f"  FINAL-line stop : {r['final_stop_speedup']:.2f}x faster than running to EOS/max "
+              f"({r['new_tokens_per_episode_no_final_stop']:.1f} new tokens); extracted answer changed in "
+              f"{r['final_stop_changed_extraction']} of {r['n_episodes']}")
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="memtoc bench", description="speed benchmarks")
+    sub = ap.add_subparsers(dest="what", required=True)
+    g = sub.add_parser("generation", help="batched vs one-by-one generation and the compute bound")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--n", type=int, default=64, help="number of with-tool prompts (default 64)")
+    g.add_argument("--loop-n", type=int, default=None, help="time the loop on the first N only (default: all)")
+    g.add_argument("--batch-size", default="auto", help="int or auto (default auto)")
+    g.add_argument("--max-new-tokens", type=int, default=48)
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--model", default="smollm2-135m-instruct")
+    g.add_argument("--check-stop", action="store_true",
+                   help="also run without the FINAL-line stop and count changed extractions")
+    g.add_argument("--release", default=None)
+    s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.stats.run_benchmark)")
+    s.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.what == "generation":
+        from .config import ConfigError
+        bs: Any = a.batch_size
+        if bs != "auto":
+            try:
+                bs = int(bs)
+            except ValueError:
+                raise ConfigError(f"--batch-size must be an integer or 'auto', got {bs!r}") from None
+        r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release)
+        print(json.dumps(r)) if a.json else _print_generation(r)
+        return 0
+    from .stats import run_benchmark
+    r = run_benchmark()
+    if a.json:
+        print(json.dumps(r))
+    else:
+        for k, v in r.items():
+            print(f"{k:<40} {v:.4f}" if isinstance(v, float) else f"{k:<40} {v}")
+    return 0
