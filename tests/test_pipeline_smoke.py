@@ -31,13 +31,13 @@ def _cache_lines(run_dir: Path) -> dict[str, int]:
 
 
 def test_smoke_pipeline_end_to_end_and_resume(tmp_path):
+    expected = [p.stem for n, p in sorted(discover_notebooks().items())]
     r = _memtoc_run(tmp_path)
     assert r.returncode == 0, f"memtoc run failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     rd = tmp_path / "smoke"
     cfg = json.loads((rd / "config.json").read_text())
     assert cfg["status"] == "ok"
     ran = [n for n in cfg["notebooks"] if n["status"] == "ok"]
-    expected = [p.stem for n, p in sorted(discover_notebooks().items())]
     assert [n["notebook"] for n in ran] == expected
     for n in ran:                                   # executed copies, with outputs, no error
         nb = json.loads(Path(n["executed"]).read_text())
