@@ -113,3 +113,21 @@ def test_vllm_request_building_matches_transformers_tokens():
                  add_special_tokens=False)["input_ids"]
     assert reqs[0] == {"prompt_token_ids": expect}
     assert tok.decode(reqs[1]["prompt_token_ids"]).startswith("<|im_start|>user\nQ: when?")
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_cpu_decode_attention_matches_sdpa(mask_kind):
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from memtoc.backends.hf import cpu_decode_attention
+    torch.manual_seed(0)
+    B, H, KV, L, D = 3, 6, 2, 7, 8
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, L, D), torch.randn(B, KV, L, D)
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., :3] = False  # left padding of the first row
+    mask = {"bool": keep, "float": torch.zeros(B, 1, 1, L).masked_fill(~keep, float("-inf")), "none": None}[mask_kind]
+    module = SimpleNamespace(num_key_value_groups=H // KV, is_causal=True)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got, _ = cpu_decode_attention(module, q, k, v, mask, scaling=0.3)
+    assert got.shape == want.shape == (B, 1, H, D)
+    assert torch.allclose(got, want, atol=1e-5)
