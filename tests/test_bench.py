@@ -1,0 +1,30 @@
+"""Benchmark helpers (the timed benchmark itself is `memtoc bench generation`, not a test)."""
+import pytest
+
+from memtoc import bench
+from memtoc.config import ConfigError
+
+
+def test_bench_prompts_are_64_distinct_with_tool_prompts():
+    prompts = bench.bench_prompts(64)
+    assert len(prompts) == 64 and len(set(prompts)) == 64
+    assert all("FINAL" in p for p in prompts)
+
+
+def test_matmul_rate_is_positive():
+    assert bench.matmul_rate("float32", n=128, repeats=2) > 0
+
+
+def test_param_counts_on_a_tiny_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    m = LlamaForCausalLM(cfg)
+    total, non_emb = bench.param_counts(m)
+    assert total == sum(p.numel() for p in m.parameters()) and total - non_emb == 100 * 16
+
+
+def test_cli_rejects_bad_batch_size():
+    with pytest.raises(ConfigError, match="batch-size"):
+        bench.cli(["generation", "--batch-size", "big"])
