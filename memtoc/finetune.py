@@ -537,6 +537,56 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     return {**info, "resumed": False}
 
 
+def pair_preference(base_path, spec, examples: Sequence[TrainExample], adapter=None, dtype: str = "float32",
+                    batch_size: int = 8) -> dict[str, Any]:
+    """Held-out diagnostic without generation: for each pair, the summed log-probability of the
+    chosen and of the rejected completion (+ EOS) after the rendered prompt, with the base model or
+    base + ``adapter`` (unmerged). Returns ``{"n", "accuracy" (share chosen > rejected),
+    "margin" (mean logp chosen − rejected), "chosen_nll" (mean per-token NLL of the chosen line)}``.
+    Used to compare learning rates on a slice (see params/finetune.yaml)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import models
+
+    tok = AutoTokenizer.from_pretrained(base_path)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    eos = tok.eos_token or ""
+
+    def logps(pairs: list[tuple[str, str]]) -> list[tuple[float, int]]:
+        out = []
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i:i + batch_size]
+            ids, lens = [], []
+            for prompt, comp in chunk:
+                p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+                c_ids = tok(prompt + comp + eos, add_special_tokens=False)["input_ids"][len(p_ids):]
+                ids.append(p_ids + c_ids)
+                lens.append((len(p_ids), len(c_ids)))
+            width = max(map(len, ids))
+            pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+            x = torch.tensor([r + [pad] * (width - len(r)) for r in ids])
+            att = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=x, attention_mask=att).logits.float(), -1)
+            for j, (pl, cl) in enumerate(lens):
+                tgt = x[j, pl:pl + cl]
+                out.append((float(lp[j, pl - 1:pl + cl - 1].gather(-1, tgt[:, None]).sum()), cl))
+        return out
+
+    rendered = [models.render_prompt(tok, spec, e.prompt)[0] for e in examples]
+    ch = logps([(r, e.chosen) for r, e in zip(rendered, examples)])
+    rj = logps([(r, e.rejected) for r, e in zip(rendered, examples)])
+    margins = [c[0] - r[0] for c, r in zip(ch, rj)]
+    return {"n": len(examples), "accuracy": sum(m > 0 for m in margins) / max(1, len(margins)),
+            "margin": sum(margins) / max(1, len(margins)),
+            "chosen_nll": sum(-c[0] / c[1] for c in ch) / max(1, len(ch))}
+
+
 # ==================================================================================================
 # evaluation and paired deltas
 
@@ -612,7 +662,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     held-out fold, compute the paired deltas and write ``summaries/finetuning.json``. Returns the
     summary dict."""
     from . import evaluation, models
-    from .benchmark import load_benchmark, select_questions
+    from .benchmark import load_benchmark
 
     ft = finetune_params(P)
     run_dir = Path(P.get("run_dir") or _run_dir(P))
@@ -621,13 +671,8 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
         raise ConfigError("finetune: adapters are trained and evaluated with the transformers backend; "
                           f"set backend: transformers for this stage (got {P.get('backend')!r})")
     bench = load_benchmark(P.get("release_dir"))
-    seed = P.get("seed", PAPER_SEED)
-    eval_pool = select_questions(bench.analysis, P["n_questions"], seed)
     forms = list(P.get("formulations") or FORMULATIONS)
-    plans = crossfit_plan(bench.questions, eval_pool, ft["folds"], ft["train_questions_per_fold"],
-                          ft["eval_questions_per_fold"], seed)
-    examples = {p.train_fold: training_examples(p.train_questions, ft["train_formulations"]) for p in plans}
-    check_no_leakage(plans, examples)
+    plans, examples = plan(P)
     n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
     gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"), dtype=P.get("dtype", "auto"),
                   max_new_tokens=P.get("max_new_tokens", 48), model_cache_dir=P.get("model_cache_dir"),
@@ -759,6 +804,41 @@ def criterion_table(summary: dict[str, Any]):
                     rows.append({"model": model, "objective": obj, "formulation": form, "passed": c["passed"],
                                  "retention_delta": c["retention_delta"], "retention_p": c["retention_p"],
                                  "tool_delta": c["tool_delta"], "tool_p": c["tool_p"], "reason": c["reason"]})
+    return pd.DataFrame(rows)
+
+
+def plan(P: dict[str, Any]):
+    """(plans, examples per training fold) for the run's parameters, leakage-checked (no training)."""
+    from .benchmark import load_benchmark, select_questions
+
+    ft = finetune_params(P)
+    bench = load_benchmark(P.get("release_dir"))
+    seed = P.get("seed", PAPER_SEED)
+    plans = crossfit_plan(bench.questions, select_questions(bench.analysis, P["n_questions"], seed), ft["folds"],
+                          ft["train_questions_per_fold"], ft["eval_questions_per_fold"], seed)
+    examples = {p.train_fold: training_examples(p.train_questions, ft["train_formulations"]) for p in plans}
+    check_no_leakage(plans, examples)
+    return plans, examples
+
+
+def plan_table(P: dict[str, Any]):
+    """One row per training fold: training questions / chains / excluded / examples and the held-out
+    questions / chains its adapters are scored on."""
+    import pandas as pd
+    plans, examples = plan(P)
+    return pd.DataFrame([p.describe(len(examples[p.train_fold])) for p in plans]).set_index("train_fold")
+
+
+def adapters_table(summary: dict[str, Any]):
+    """One row per adapter: model, objective, fold, steps, examples, seconds, s/step, first/final loss, resumed."""
+    import pandas as pd
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for obj, by_fold in ms.get("adapters", {}).items():
+            for fold, a in by_fold.items():
+                rows.append({"model": model, "objective": obj, "fold": fold,
+                             **{k: a.get(k) for k in ("steps", "examples", "seconds", "seconds_per_step",
+                                                      "first_loss", "final_loss", "resumed")}})
     return pd.DataFrame(rows)
 
 
