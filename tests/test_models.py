@@ -92,3 +92,20 @@ def test_chat_prompt_has_no_system_turn(smol_path):
     assert special is False and "system" not in text
     base = models.ModelSpec("b", "b", "local", chat=False)
     assert models.render_prompt(tok, base, "raw") == ("raw", True)
+
+
+@pytest.mark.integration
+def test_adapter_loads_and_changes_identity(smol_path, tmp_path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32)
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    g = models.load_generator("smollm2-135m-instruct", adapter=tmp_path / "adapter", max_new_tokens=3,
+                              show_progress=False)
+    plain = models.load_generator("smollm2-135m-instruct", max_new_tokens=3, show_progress=False)
+    assert g.identity["adapter_sha256"] and plain.identity["adapter_sha256"] is None
+    assert g.key("hi") != plain.key("hi")
+    # a fresh LoRA (B = 0) leaves the model unchanged: same greedy reply
+    assert g.generate(["Say hi."])[0].text == plain.generate(["Say hi."])[0].text
