@@ -103,20 +103,45 @@ def append_records(path: str | os.PathLike, records: Iterable[dict]) -> None:
     if not records:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.stat().st_size:
-        _, good_end = _scan(path)
-        size = path.stat().st_size
-        if good_end < size:
-            with open(path, "r+b") as f:
-                f.truncate(good_end)
-                f.flush()
-                os.fsync(f.fileno())
-        elif not path.read_bytes()[-1:] == b"\n":
-            with open(path, "ab") as f:
-                f.write(b"\n")
+    size = path.stat().st_size if path.exists() else 0
+    if size:
+        _repair_tail(path, size)
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
     with open(path, "ab") as f:
         f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _repair_tail(path: Path, size: int) -> None:
+    """Make the file end with a complete line: a cut-off last line is removed (if it does not
+    parse) or terminated (if it does). Reads only the tail, so appends stay cheap."""
+    with open(path, "r+b") as f:
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return
+        block = 1 << 16
+        start = size
+        tail = b""
+        while start > 0:  # find the last newline
+            step = min(block, start)
+            start -= step
+            f.seek(start)
+            tail = f.read(step) + tail
+            nl = tail.rfind(b"\n")
+            if nl != -1:
+                cut = start + nl + 1
+                break
+        else:
+            cut = 0
+        f.seek(cut)
+        last = f.read()
+        try:
+            json.loads(last)
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+        except ValueError:
+            f.truncate(cut)
         f.flush()
         os.fsync(f.fileno())
 

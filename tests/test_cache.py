@@ -103,3 +103,19 @@ def test_identity_change_regenerates(tmp_path):
     g2.identity = {"model": "fake", "decoding": {"max_new_tokens": 5}}
     r = g2.generate(["a"], cache_path=p)
     assert not r[0].cached and g2.calls == ["a"]
+
+
+def test_parsable_last_line_without_newline_is_kept(tmp_path):
+    p = tmp_path / "arm.jsonl"
+    p.write_text(json.dumps(rec("a")) + "\n" + json.dumps(rec("b")))  # complete, newline lost
+    with pytest.warns(UserWarning, match="no newline"):
+        assert set(cache.read_cache(p)) == {"a", "b"}
+    cache.append_records(p, [rec("c")])
+    assert [json.loads(x)["key"] for x in p.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def test_truncated_only_line(tmp_path):
+    p = tmp_path / "arm.jsonl"
+    p.write_bytes(b'{"key": "a", "te')
+    cache.append_records(p, [rec("b")])
+    assert [json.loads(x)["key"] for x in p.read_text().splitlines()] == ["b"]
