@@ -724,6 +724,9 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
             parts = []
             for p in plans:
                 path = adapter_dir(run_dir, label, obj, p.train_fold)
+                if not eps_by_fold[p.train_fold]:
+                    print(f"[finetune] {label} {obj} {p.name}: no held-out questions in this slice; not evaluated")
+                    continue
                 agen = models.load_generator(model, adapter=path, **gen_kw)
                 try:
                     df = score_with(agen, f"{label}__{obj}__{p.name}", eps_by_fold[p.train_fold], memory, run_dir,
