@@ -122,6 +122,9 @@ FT_DEFAULTS: dict[str, Any] = {
     "seed": None,                          # None: the run's seed
     "threads": None,                       # torch threads during training (None: torch default)
     "gradient_checkpointing": False,       # trl's default is True; off is ~1.3x faster (memory is no issue at 135M)
+    "eval_dtype": None,                    # dtype of the untreated AND adapter replies in this stage (None: the
+                                           # run's dtype). bf16 rounding noise is as large as a small adapter's
+                                           # effect on the logits; float32 isolates the adapter (see finetune.yaml)
 }
 
 _TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_ratio", "lora_r",
@@ -226,6 +229,8 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         fail("seed", f"must be null (the run's seed) or a non-negative integer, got {f['seed']!r}")
     if not isinstance(f["gradient_checkpointing"], bool):
         fail("gradient_checkpointing", f"must be true or false, got {f['gradient_checkpointing']!r}")
+    if f["eval_dtype"] not in (None, "auto", "bfloat16", "float32", "float16"):
+        fail("eval_dtype", f"must be null (the run's dtype), auto, bfloat16, float32 or float16, got {f['eval_dtype']!r}")
     if f["threads"] is not None and (not is_int(f["threads"]) or f["threads"] < 1):
         fail("threads", f"must be null or a positive integer, got {f['threads']!r}")
     return f
@@ -674,7 +679,8 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     forms = list(P.get("formulations") or FORMULATIONS)
     plans, examples = plan(P)
     n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
-    gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"), dtype=P.get("dtype", "auto"),
+    gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
+                  dtype=ft["eval_dtype"] or P.get("dtype", "auto"),
                   max_new_tokens=P.get("max_new_tokens", 48), model_cache_dir=P.get("model_cache_dir"),
                   **(P.get("backend_options") or {}))
 

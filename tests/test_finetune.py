@@ -46,6 +46,7 @@ def test_defaults_are_the_paper_configuration():
     ({"lora_r": "16"}, "finetune.lora_r"),
     ({"train_formulations": ["nope"]}, "finetune.train_formulations"),
     ({"eval_conditions": ["no_tool"]}, "finetune.eval_conditions"),
+    ({"eval_dtype": "int8"}, "finetune.eval_dtype"),
     ({"lr": 1e-4}, "unknown finetune key"),
 ])
 def test_bad_finetune_params_name_the_field(bad, field):
