@@ -15,6 +15,9 @@ generation
     between the modes (bf16 batching may flip a greedy token), and, with ``--check-stop``, how often
     the FINAL-line early stop changes the extracted answer (one extra batched run without it).
     The CPU is shared: run it at a quiet moment and read ``load_avg`` in the output.
+    ``--decode`` picks the transformers decode loop for both modes (``compact``, the default, drops
+    finished rows after each step; ``generate`` is ``model.generate``); ``--compare-decode`` times
+    one more batched run with the other loop and counts the replies that differ between the loops.
 
 stats
     ``memtoc.stats.run_benchmark()`` (bootstrap and sign-flip timings), printed.
@@ -67,7 +70,8 @@ def param_counts(model) -> tuple[int, int]:
 
 def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int = 48, dtype: str = "auto",
                      model: str = "smollm2-135m-instruct", check_stop: bool = False,
-                     loop_n: Optional[int] = None, release_dir: Optional[str] = None) -> dict[str, Any]:
+                     loop_n: Optional[int] = None, release_dir: Optional[str] = None,
+                     decode: str = "compact", compare_decode: bool = False) -> dict[str, Any]:
     import torch
 
     from .models import load_generator
@@ -75,7 +79,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
 
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
-                         show_progress=False)
+                         show_progress=False, decode=decode)
     total_params, non_emb = param_counts(gen.model)
     rate = matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32")
 
@@ -87,9 +91,11 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     t_loop = time.perf_counter() - t0
 
     gen.batch_size = batch_size
+    stats0 = dict(gen.decode_stats)
     t0 = time.perf_counter()
     batched = gen.generate(prompts)
     t_batch = time.perf_counter() - t0
+    decode_stats = {k: gen.decode_stats[k] - stats0[k] for k in stats0}
     batches = gen.plan_batches([r.n_prompt_tokens for r in batched])
 
     prompt_tok = sum(r.n_prompt_tokens for r in batched)
@@ -111,7 +117,21 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(), "torch": torch.__version__,
+        "decode": decode, "decode_stats_batched": decode_stats,
     }
+    if compare_decode:
+        other = "generate" if decode == "compact" else "compact"
+        gen.decode = other
+        t0 = time.perf_counter()
+        alt = gen.generate(prompts)
+        t_alt = time.perf_counter() - t0
+        gen.decode = decode
+        out.update({
+            f"s_per_episode_batched_{other}": t_alt / n,
+            f"speedup_vs_loop_batched_{other}": s_loop / (t_alt / n),
+            "replies_differing_between_decode_loops": sum(
+                (a.text, a.finish, a.n_new_tokens) != (b.text, b.finish, b.n_new_tokens) for a, b in zip(batched, alt)),
+        })
     if check_stop:
         gen.stop_at_final = False
         t0 = time.perf_counter()
@@ -132,6 +152,7 @@ def _print_generation(r: dict[str, Any]) -> None:
     print(f"generation benchmark: {r['model']}, {r['n_episodes']} with-tool prompts "
           f"(loop over {r['n_episodes_loop']}), {r['dtype']}, max_new_tokens {r['max_new_tokens']}, "
           f"FINAL-line stop {r['stop_at_final']}")
+    print(f"  decode loop     : {r.get('decode', 'generate')}")
     print(f"  one-by-one loop : {r['s_per_episode_loop']:.3f} s/episode "
           f"({r['prompt_tokens_per_episode_loop']:.0f} prompt + {r['new_tokens_per_episode_loop']:.1f} new tokens)")
     print(f"  batched         : {r['s_per_episode_batched']:.3f} s/episode "
@@ -142,6 +163,10 @@ def _print_generation(r: dict[str, Any]) -> None:
           f"GFLOP/s (bf16 matmul); batched / bound = {r['bound_ratio']:.2f}")
     print(f"  replies differing loop vs batched: {r['replies_differing_loop_vs_batched']}; "
           f"load avg {r['load_avg_1m']}")
+    for k in ("s_per_episode_batched_generate", "s_per_episode_batched_compact"):
+        if k in r:
+            print(f"  batched, {k.rsplit('_', 1)[1]} loop: {r[k]:.3f} s/episode; replies differing between the "
+                  f"decode loops: {r['replies_differing_between_decode_loops']} of {r['n_episodes']}")
     if "final_stop_speedup" in r:
         print(f"  FINAL-line stop : {r['final_stop_speedup']:.2f}x faster than running to EOS/max "
               f"({r['new_tokens_per_episode_no_final_stop']:.1f} new tokens); extracted answer changed in "
@@ -161,6 +186,10 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--model", default="smollm2-135m-instruct")
     g.add_argument("--check-stop", action="store_true",
                    help="also run without the FINAL-line stop and count changed extractions")
+    g.add_argument("--decode", default="compact", choices=["compact", "generate"],
+                   help="transformers decode loop (default compact: finished rows leave the batch)")
+    g.add_argument("--compare-decode", action="store_true",
+                   help="also time the batched run with the other decode loop and count differing replies")
     g.add_argument("--release", default=None)
     s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.stats.run_benchmark)")
     s.add_argument("--json", action="store_true")
@@ -173,7 +202,8 @@ def cli(argv: list[str]) -> int:
                 bs = int(bs)
             except ValueError:
                 raise ConfigError(f"--batch-size must be an integer or 'auto', got {bs!r}") from None
-        r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release)
+        r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release,
+                             decode=a.decode, compare_decode=a.compare_decode)
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
     from .stats import run_benchmark

@@ -18,6 +18,17 @@ answer, newline) or EOS; the batch ends when all its sequences are finished. The
 extractor takes the *last* FINAL marker, so text after the first completed FINAL line could only
 matter if a model wrote a second, different FINAL line; ``memtoc bench generation`` measures how
 often that changes an extracted answer.
+
+Decode loop (``decode="compact"``, the default; ``decode="generate"`` is the former path): greedy
+``model.generate`` on a left-padded batch keeps every row decoding until the last row ends, so the
+few replies that run to ``max_new_tokens`` keep a whole batch of 64 decoding. The compact loop does
+the same greedy maths by hand: one prefill of the left-padded batch (same inputs, position ids and
+mask as ``generate``), then one token per step with the KV cache, and after each step it drops the
+finished rows from the batch (``DynamicCache.batch_select_indices`` on the cache, the same rows of
+the 2D mask and of the position ids) and the left-padding columns no remaining row needs. Same
+tokens, same stop rule, same ``Reply`` fields; not part of the cache identity (see
+``tests/test_backends_hf.py`` and ``memtoc bench generation``, which count the replies that differ
+between the two loops).
 """
 from __future__ import annotations
 
@@ -29,10 +40,12 @@ from typing import Iterator, Optional
 from tqdm.auto import tqdm
 from transformers import StoppingCriteria
 
+from ..config import ConfigError
 from .base import Generator, Reply, final_line_done
 
 
 CPU_ATTENTION = "memtoc_cpu"
+DECODE_LOOPS = ("compact", "generate")
 
 
 def cpu_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -86,6 +99,74 @@ def resolve_dtype(dtype: str, device: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 
 
+def _compact_layer_class():
+    """A ``DynamicLayer`` whose keys / values live in one buffer allocated at the prefill (prompt +
+    ``max_new_tokens`` positions); a decode step writes its column in place and the attention gets a
+    view of the filled part. ``DynamicLayer`` instead concatenates, i.e. allocates and copies the
+    whole cache at every step and every layer (measured ~190 ms per step for 64 rows x 230
+    positions on this CPU, more than the step's matmuls). Finished rows are dropped by moving the
+    kept rows to the front in place; padding columns no row needs are dropped by moving the start.
+    The prefill returns exactly what ``DynamicLayer`` returns, so the prefill attention is unchanged."""
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class CompactLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+            self.rows = self.start = self.end = 0
+            self.buf_k = self.buf_v = None
+
+        def _views(self):
+            self.keys = self.buf_k[: self.rows, :, self.start:self.end]
+            self.values = self.buf_v[: self.rows, :, self.start:self.end]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            T = key_states.shape[-2]
+            if self.buf_k is None:  # the prefill
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                keys = torch.cat([self.keys, key_states], dim=-2)
+                values = torch.cat([self.values, value_states], dim=-2)
+                B, H, _, D = keys.shape
+                self.buf_k = keys.new_empty((B, H, max(self.capacity, T), D))
+                self.buf_v = values.new_empty((B, values.shape[1], max(self.capacity, T), values.shape[-1]))
+                self.buf_k[:, :, :T] = keys
+                self.buf_v[:, :, :T] = values
+                self.rows, self.end = B, T
+                self._views()
+                return keys, values
+            if self.end + T > self.buf_k.shape[2]:
+                raise RuntimeError("compact decode cache: capacity exceeded")  # a bug, never user input
+            self.buf_k[: self.rows, :, self.end:self.end + T] = key_states
+            self.buf_v[: self.rows, :, self.end:self.end + T] = value_states
+            self.end += T
+            self._views()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.end - self.start if self.buf_k is not None else 0
+
+        def batch_select_indices(self, indices) -> None:
+            if self.buf_k is None:
+                return
+            keep = [int(i) for i in indices]
+            if keep != sorted(keep):
+                raise ValueError("compact decode cache: rows must be kept in their order")
+            for j, a in enumerate(keep):
+                if a != j:
+                    self.buf_k[j, :, self.start:self.end].copy_(self.buf_k[a, :, self.start:self.end])
+                    self.buf_v[j, :, self.start:self.end].copy_(self.buf_v[a, :, self.start:self.end])
+            self.rows = len(keep)
+            self._views()
+
+        def drop_leading(self, n: int) -> None:
+            self.start += n
+            self._views()
+
+    return CompactLayer
+
+
 class _StopCriteria(StoppingCriteria):
     """Per-sequence stop: EOS, or a completed FINAL line. Records where each sequence ended."""
 
@@ -128,7 +209,7 @@ class TransformersGenerator(Generator):
                  max_new_tokens: int = 48, cache_dir=None, stop_at_final: bool = True,
                  device: Optional[str] = None, token_budget: Optional[int] = None,
                  max_batch: Optional[int] = None, num_threads: Optional[int] = None,
-                 attention: str = "auto", show_progress: bool = True):
+                 attention: str = "auto", show_progress: bool = True, decode: str = "compact"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,6 +228,12 @@ class TransformersGenerator(Generator):
         self.token_budget = int(token_budget or (131072 if gpu else 24576))
         self.max_batch = int(max_batch or (256 if gpu else 64))
         self.show_progress = show_progress
+        if decode not in DECODE_LOOPS:
+            raise ConfigError(f"transformers backend option decode must be one of {list(DECODE_LOOPS)}, "
+                              f"got {decode!r}")
+        self.decode = decode
+        # counters of the compact loop, summed over calls: decoded row-steps, padding columns cut
+        self.decode_stats = {"batches": 0, "row_steps": 0, "steps": 0, "padding_columns_cut": 0}
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.tokenizer.padding_side = "left"
@@ -230,8 +317,6 @@ class TransformersGenerator(Generator):
 
     # -- generation -----------------------------------------------------------------------------
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
-        import torch
-
         ids = self.encode(prompts)
         batches = self.plan_batches([len(x) for x in ids])
         bar = tqdm(total=len(prompts), desc=desc or f"generate {self.spec.label}", unit="req",
@@ -243,23 +328,123 @@ class TransformersGenerator(Generator):
                                          return_tensors="pt")
                 input_ids = enc["input_ids"].to(self.device)
                 attn = enc["attention_mask"].to(self.device)
-                P = input_ids.shape[1]
-                stop = _StopCriteria(self.tokenizer, P, self.eos_ids, self.newline_ids, self.stop_at_final)
-                with torch.inference_mode():
-                    out = self.model.generate(
-                        input_ids=input_ids, attention_mask=attn, max_new_tokens=self.max_new_tokens,
-                        do_sample=False, temperature=None, top_p=None, top_k=None,
-                        pad_token_id=self.tokenizer.pad_token_id, stopping_criteria=[stop])
+                rows = self._decode_batch(input_ids, attn)
                 dt = time.perf_counter() - t0
                 replies = []
-                for row, i in enumerate(b):
-                    end = stop.end[row] if stop.end and stop.end[row] is not None else out.shape[1]
-                    new = out[row, P:end]
-                    reason = stop.reason[row] if stop.reason else "length"
+                for (new, reason), i in zip(rows, b):
                     replies.append(Reply(text=self.tokenizer.decode(new, skip_special_tokens=True),
-                                         n_prompt_tokens=len(ids[i]), n_new_tokens=int(new.shape[0]),
+                                         n_prompt_tokens=len(ids[i]), n_new_tokens=len(new),
                                          seconds=dt / len(b), key="", cached=False, finish=reason))
                 bar.update(len(b))
                 yield b, replies
         finally:
             bar.close()
+
+    def _decode_batch(self, input_ids, attn) -> list[tuple[list[int], str]]:
+        """Greedy replies of one left-padded batch: per row (new token ids, finish reason)."""
+        if self.decode == "compact" and self._compact_ok():
+            return self._decode_compact(input_ids, attn)
+        return self._decode_generate(input_ids, attn)
+
+    def _compact_ok(self) -> bool:
+        """The compact loop reimplements plain greedy decoding only: models whose generation config
+        asks for logits processors (repetition penalty, suppressed tokens, ...) or whose cache is not
+        a plain dynamic cache (sliding windows, linear attention) use ``generate``."""
+        ok = getattr(self, "_compact_checked", None)
+        if ok is None:
+            from transformers import DynamicCache
+            from transformers.cache_utils import DynamicLayer
+            gc = self.model.generation_config
+            plain = ((gc.repetition_penalty in (None, 1.0)) and not gc.no_repeat_ngram_size
+                     and not gc.bad_words_ids and not gc.suppress_tokens and not gc.begin_suppress_tokens
+                     and not gc.min_length and not gc.min_new_tokens and gc.forced_bos_token_id is None
+                     and gc.forced_eos_token_id is None and not gc.sequence_bias
+                     and getattr(gc, "encoder_repetition_penalty", None) in (None, 1.0)
+                     and not self.model.config.is_encoder_decoder)
+            try:
+                cache = DynamicCache(config=self.model.config)
+                plain = plain and bool(cache.layers) and all(type(x) is DynamicLayer for x in cache.layers)
+            except Exception:  # a model whose cache cannot be built from its config alone
+                plain = False
+            ok = self._compact_checked = plain
+        return ok
+
+    def _decode_generate(self, input_ids, attn) -> list[tuple[list[int], str]]:
+        """``model.generate`` on the whole batch; finished rows keep decoding until the last ends."""
+        import torch
+        P = input_ids.shape[1]
+        stop = _StopCriteria(self.tokenizer, P, self.eos_ids, self.newline_ids, self.stop_at_final)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attn, max_new_tokens=self.max_new_tokens,
+                do_sample=False, temperature=None, top_p=None, top_k=None,
+                pad_token_id=self.tokenizer.pad_token_id, stopping_criteria=[stop])
+        rows = []
+        for row in range(input_ids.shape[0]):
+            end = stop.end[row] if stop.end and stop.end[row] is not None else out.shape[1]
+            rows.append((out[row, P:end].tolist(), stop.reason[row] if stop.reason else "length"))
+        return rows
+
+    def _decode_compact(self, input_ids, attn) -> list[tuple[list[int], str]]:
+        """Greedy decoding that drops finished rows after every step (see the module docstring).
+
+        Mirrors ``generate``: position ids = cumulative sum of the mask - 1 (0 on padding), the mask
+        dropped altogether when there is no padding, float32 argmax of the last logits, the EOS token
+        not part of the reply, a FINAL-line check when the new token holds a newline."""
+        import torch
+        from transformers import DynamicCache
+
+        model = self.model
+        B = input_ids.shape[0]
+        pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
+        mask = None if bool((attn == 1).all()) else attn
+        cache = DynamicCache(config=model.config)
+        layer_cls = _compact_layer_class()
+        cache.layers = [layer_cls(input_ids.shape[1] + self.max_new_tokens) for _ in cache.layers]
+        new: list[list[int]] = [[] for _ in range(B)]
+        reason = ["length"] * B
+        active = list(range(B))                  # batch row -> original row
+        last_pos = pos[:, -1]
+        with torch.inference_mode():
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
+                        use_cache=True, logits_to_keep=1, return_dict=True)
+            stats = self.decode_stats
+            stats["batches"] += 1
+            for step in range(self.max_new_tokens):
+                stats["steps"] += 1
+                stats["row_steps"] += len(active)
+                nxt = torch.argmax(out.logits[:, -1].to(dtype=torch.float32), dim=-1)
+                del out
+                keep = []
+                for a, t in enumerate(nxt.tolist()):
+                    r = active[a]
+                    if t in self.eos_ids:
+                        reason[r] = "eos"
+                        continue
+                    new[r].append(t)
+                    if (self.stop_at_final and t in self.newline_ids
+                            and final_line_done(self.tokenizer.decode(new[r], skip_special_tokens=True))):
+                        reason[r] = "final_line"
+                        continue
+                    keep.append(a)
+                if not keep or step == self.max_new_tokens - 1:
+                    break
+                if len(keep) < len(active):
+                    idx = torch.tensor(keep, device=nxt.device)
+                    cache.batch_select_indices(idx)
+                    active = [active[a] for a in keep]
+                    nxt, last_pos = nxt[idx], last_pos[idx]
+                    if mask is not None:
+                        mask = mask[idx]
+                        lead = int((mask.sum(0) == 0).long().cumprod(0).sum())  # padding no row needs
+                        if lead:
+                            stats["padding_columns_cut"] += lead
+                            mask = mask[:, lead:]
+                            for layer in cache.layers:
+                                layer.drop_leading(lead)
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                last_pos = last_pos + 1
+                out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                            cache=cache, use_cache=True, logits_to_keep=1, return_dict=True)
+        return [(new[r], reason[r]) for r in range(B)]

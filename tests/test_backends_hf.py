@@ -1,0 +1,80 @@
+"""transformers backend: the compact greedy loop (finished rows dropped after each step) gives the
+same tokens, finish reasons and token counts as the former ``model.generate`` path."""
+import zlib
+
+import pytest
+
+from memtoc import models
+from memtoc.backends import hf
+from memtoc.config import ConfigError
+
+
+def _fields(replies):
+    return [(r.text, r.n_new_tokens, r.n_prompt_tokens, r.finish) for r in replies]
+
+
+def _both(gen, prompts):
+    out = {}
+    for mode in ("generate", "compact"):
+        gen.decode = mode
+        out[mode] = gen.generate(prompts)
+    return out["generate"], out["compact"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama with the embedded model's tokenizer (fast, float32); large random
+    weights, so that greedy replies vary from row to row and step to step."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(models.prepare_model("smollm2-135m-instruct"))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.3, tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.eos_token_id)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_compact_loop_matches_generate_on_a_tiny_model(tiny_model_dir, monkeypatch):
+    spec = models.get_model("smollm2-135m-instruct")
+    gen = hf.TransformersGenerator(spec, tiny_model_dir, dtype="float32", max_new_tokens=12, batch_size=16,
+                                   show_progress=False)
+    # A random model never writes a FINAL line; make the stop rule fire pseudo-randomly instead, the
+    # same way in both loops: every token is "a newline", and a reply is "done" when the crc of its
+    # text hits 0 mod 9. Some tokens also count as EOS. Rows then end at many different steps.
+    monkeypatch.setattr(hf, "final_line_done", lambda text: zlib.crc32(text.encode()) % 9 == 0)
+    gen.newline_ids = set(range(len(gen.tokenizer)))
+    gen.eos_ids = gen.eos_ids | set(range(3, len(gen.tokenizer), 29))
+    prompts = [f"Question {i}: " + "what is the capital of France? " * (1 + i % 5) for i in range(16)]
+    old, new = _both(gen, prompts)
+    assert _fields(new) == _fields(old)
+    lengths = {r.n_new_tokens for r in old}
+    finishes = {r.finish for r in old}
+    assert len({r.n_prompt_tokens for r in old}) >= 4           # left padding in the batch
+    assert len(lengths) >= 4 and 12 in lengths                   # rows end at different steps
+    assert finishes == {"eos", "final_line", "length"}
+    stats = gen.decode_stats                                     # the compact loop really compacted
+    assert stats["row_steps"] == sum(min(r.n_new_tokens + (r.finish == "eos"), 12) for r in new)
+    assert stats["padding_columns_cut"] > 0
+
+
+def test_unknown_decode_loop_is_an_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="decode"):
+        hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, decode="fast",
+                                 show_progress=False)
+
+
+@pytest.mark.integration
+def test_compact_loop_matches_generate_on_the_embedded_model():
+    """Real bench prompts of different lengths, float32: identical replies from both loops."""
+    from memtoc.bench import bench_prompts
+    gen = models.load_generator("smollm2-135m-instruct", batch_size=6, dtype="float32", max_new_tokens=48,
+                                show_progress=False)
+    prompts = bench_prompts(6)
+    old, new = _both(gen, prompts)
+    assert _fields(new) == _fields(old)
+    assert len({r.n_new_tokens for r in old}) >= 3  # rows finished at different steps
