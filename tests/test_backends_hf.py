@@ -78,3 +78,35 @@ def test_compact_loop_matches_generate_on_the_embedded_model():
     old, new = _both(gen, prompts)
     assert _fields(new) == _fields(old)
     assert len({r.n_new_tokens for r in old}) >= 3  # rows finished at different steps
+
+
+def test_fill_holes_moves_only_the_rows_past_the_new_end():
+    assert hf._fill_holes([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]
+    assert hf._fill_holes([0, 1, 2]) == [0, 1, 2]
+    assert hf._fill_holes([4]) == [4]
+    assert hf._fill_holes([]) == []
+
+
+@pytest.mark.parametrize("order", [[0, 5, 2, 3, 6], [1, 2, 4], [3, 0, 1]])
+def test_compact_layer_matches_dynamic_layer(order):
+    import torch
+    from transformers.cache_utils import DynamicLayer
+    torch.manual_seed(0)
+    B, H, P, D = 7, 2, 5, 4
+    layer, ref = hf._compact_layer_class()(P + 4), DynamicLayer()
+    k, v = torch.randn(B, H, P, D), torch.randn(B, H, P, D)
+    got, want = layer.update(k, v), ref.update(k, v)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for step in range(3):
+        if step == 1:  # drop rows (in place, or by copy when a row is both read and overwritten)
+            idx = torch.tensor(order)
+            layer.batch_select_indices(idx)
+            ref.batch_select_indices(idx)
+        if step == 2:  # drop two leading columns
+            layer.drop_leading(2)
+            ref.keys, ref.values = ref.keys[:, :, 2:], ref.values[:, :, 2:]
+        n = ref.keys.shape[0]
+        k, v = torch.randn(n, H, 1, D), torch.randn(n, H, 1, D)
+        got, want = layer.update(k, v), ref.update(k, v)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        assert layer.get_seq_length() == ref.get_seq_length()

@@ -20,15 +20,16 @@ matter if a model wrote a second, different FINAL line; ``memtoc bench generatio
 often that changes an extracted answer.
 
 Decode loop (``decode="compact"``, the default; ``decode="generate"`` is the former path): greedy
-``model.generate`` on a left-padded batch keeps every row decoding until the last row ends, so the
-few replies that run to ``max_new_tokens`` keep a whole batch of 64 decoding. The compact loop does
-the same greedy maths by hand: one prefill of the left-padded batch (same inputs, position ids and
-mask as ``generate``), then one token per step with the KV cache, and after each step it drops the
-finished rows from the batch (``DynamicCache.batch_select_indices`` on the cache, the same rows of
-the 2D mask and of the position ids) and the left-padding columns no remaining row needs. Same
-tokens, same stop rule, same ``Reply`` fields; not part of the cache identity (see
-``tests/test_backends_hf.py`` and ``memtoc bench generation``, which count the replies that differ
-between the two loops).
+``model.generate`` on a left-padded batch keeps every row decoding until the last row ends (the few
+replies that run to ``max_new_tokens`` keep a whole batch of 64 decoding), and its dynamic cache
+re-allocates and copies all keys and values at every step. The compact loop does the same greedy
+maths by hand: one prefill of the left-padded batch (same inputs, position ids, mask and attention
+as ``generate``), then one token per step, keys and values written in place into a buffer sized
+once (see :func:`_compact_layer_class`); after each step the finished rows leave the batch (their
+cache rows, mask rows and position ids) and so do the padding columns no remaining row needs. Same
+tokens, same stop rule, same ``Reply`` fields, so it is not part of the cache identity:
+``tests/test_backends_hf.py`` checks token equality with ``generate`` (float32), and
+``memtoc bench generation --compare-decode`` counts the replies that differ in bfloat16.
 """
 from __future__ import annotations
 
@@ -148,16 +149,21 @@ def _compact_layer_class():
             return self.end - self.start if self.buf_k is not None else 0
 
         def batch_select_indices(self, indices) -> None:
+            """Keep rows ``indices`` (new row j = old row indices[j]). Moves in place when no row
+            is both read and overwritten (the hole-filling order of ``_fill_holes``), else copies."""
             if self.buf_k is None:
                 return
-            keep = [int(i) for i in indices]
-            if keep != sorted(keep):
-                raise ValueError("compact decode cache: rows must be kept in their order")
-            for j, a in enumerate(keep):
-                if a != j:
+            order = [int(i) for i in indices]
+            moves = [(j, a) for j, a in enumerate(order) if a != j]
+            if {j for j, _ in moves} & {a for _, a in moves}:
+                idx = torch.tensor(order, device=self.buf_k.device)
+                self.buf_k = self.buf_k.index_select(0, idx)
+                self.buf_v = self.buf_v.index_select(0, idx)
+            else:
+                for j, a in moves:
                     self.buf_k[j, :, self.start:self.end].copy_(self.buf_k[a, :, self.start:self.end])
                     self.buf_v[j, :, self.start:self.end].copy_(self.buf_v[a, :, self.start:self.end])
-            self.rows = len(keep)
+            self.rows = len(order)
             self._views()
 
         def drop_leading(self, n: int) -> None:
@@ -165,6 +171,17 @@ def _compact_layer_class():
             self._views()
 
     return CompactLayer
+
+
+def _fill_holes(keep: list[int]) -> list[int]:
+    """Old batch positions for the new rows 0..n-1 (``keep`` sorted, n = len(keep)): kept rows below
+    n stay where they are, the kept rows at n or above move into the freed places below n. Only as
+    many cache rows move as rows finished (each row's maths does not depend on its place in the
+    batch)."""
+    n = len(keep)
+    kept = set(keep)
+    movers = iter(a for a in keep if a >= n)
+    return [p if p in kept else next(movers) for p in range(n)]
 
 
 class _StopCriteria(StoppingCriteria):
@@ -430,6 +447,7 @@ class TransformersGenerator(Generator):
                 if not keep or step == self.max_new_tokens - 1:
                     break
                 if len(keep) < len(active):
+                    keep = _fill_holes(keep)
                     idx = torch.tensor(keep, device=nxt.device)
                     cache.batch_select_indices(idx)
                     active = [active[a] for a in keep]
