@@ -10,7 +10,7 @@ import pytest
 from memtoc.cli import main
 
 GOOD = [
-    {"id": "0.0", "question": "Salisbury Woodland Gardens links a zoo with which park?",
+    {"id": "0.0", "question": "Which park does the example garden link to a zoo?",
      "response": "The tool says Moor Park.\nFINAL: Moor Park, Blackpool", "gold": "Stanley Park, Blackpool",
      "tool_value": "Moor Park, Blackpool", "memory": "Stanley Park"},
     {"id": "0.1", "response": "FINAL: UNKNOWN", "gold": "Thomas Mawson", "tool_value": None, "memory": ""},
