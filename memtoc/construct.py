@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from .benchmark import qkey_of
 from .config import PAPER_SEED, DataError
-from .records import Question
+from .records import Question, unique_by
 
 # ----------------------------------------------------------------------------------------------
 # Programmatic QC
@@ -362,13 +362,7 @@ def flatten_toolhop(path) -> tuple[list[SubQuestion], dict[str, int]]:
 
 def dedup_exact(subs: Iterable[SubQuestion]) -> list[SubQuestion]:
     """Exact de-duplication on the qkey (first occurrence kept)."""
-    seen: set[str] = set()
-    out = []
-    for s in subs:
-        if s.qkey not in seen:
-            seen.add(s.qkey)
-            out.append(s)
-    return out
+    return unique_by(subs, lambda s: s.qkey)
 
 
 _NONFACTUAL_ANSWERS = {"yes", "no", "true", "false", "none", "unknown", "n a", "na"}

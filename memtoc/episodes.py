@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 from .config import FORMULATIONS, PAPER_SEED, ConfigError, DataError, check_choices
 from .prompts import (ARMS, FRAMES, NOOP_OUTPUT, PAYLOAD_KINDS, closed_book_prompt, error_payload,
                       synthesize_schema, value_output, with_tool_prompt)
-from .records import Episode, Question, dumps
+from .records import Episode, Question, dumps, unique_by
 
 CORE_CONDITIONS = ("tool_right", "tool_wrong", "tool_error", "no_tool")
 ALL_CONDITIONS = ("tool_right", "tool_wrong", "tool_far", "tool_error", "no_tool", "noop")
@@ -211,10 +211,4 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
         if "no_protocol_sentence" in arms:
             eps += build_episodes(extra, forms, ("tool_right", "tool_wrong", "tool_error"),
                                   arms=("no_protocol_sentence",))
-    seen: set[str] = set()
-    out = []
-    for e in eps:
-        if e.episode_id not in seen:
-            seen.add(e.episode_id)
-            out.append(e)
-    return out
+    return unique_by(eps, lambda e: e.episode_id)

@@ -615,21 +615,29 @@ def arm_comparison(scored: pd.DataFrame, arms: Sequence[str], metric_names: Sequ
     base = _restrict(_sel(scored), qk)
     forms = _forms(base, formulations)
     out: dict[str, Any] = {"n_questions": len(qk), "family": family}
-    out["untreated"] = {}
+    out.update(_variants_vs_base(base, "untreated", {a: _sel(scored, arm=a) for a in present},
+                                 metric_names, forms, n_boot, n_perm, seed))
+    return out
+
+
+def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd.DataFrame],
+                      metric_names: Sequence[str], forms: Sequence[str], n_boot: int, n_perm: int,
+                      seed: int) -> dict[str, Any]:
+    """``{base_name: {form|pooled: {metric: interval}}, variant: {..., "contrasts": {metric: contrast}}}``
+    with each variant's rates, its paired contrast vs the base, and Holm across the variants per metric."""
+    out: dict[str, Any] = {base_name: {}}
     for m in metric_names:
         for k, v in rate_intervals(metric_units(base, m), forms, n_boot, seed).items():
-            out["untreated"].setdefault(k, {})[m] = v
-    for a in present:
-        da = _sel(scored, arm=a)
-        out[a] = {"contrasts": {}}
+            out[base_name].setdefault(k, {})[m] = v
+    for name, d in variants.items():
+        out[name] = {"contrasts": {}}
         for m in metric_names:
-            ua = metric_units(da, m)
-            for k, v in rate_intervals(ua, forms, n_boot, seed).items():
-                out[a].setdefault(k, {})[m] = v
-            out[a]["contrasts"][m] = contrast(ua, metric_units(base, m), n_boot, n_perm, seed, a, "untreated")
+            u = metric_units(d, m)
+            for k, v in rate_intervals(u, forms, n_boot, seed).items():
+                out[name].setdefault(k, {})[m] = v
+            out[name]["contrasts"][m] = contrast(u, metric_units(base, m), n_boot, n_perm, seed, name, base_name)
     for m in metric_names:
-        fam = {a: out[a]["contrasts"][m] for a in present}
-        apply_holm(fam)
+        apply_holm({name: out[name]["contrasts"][m] for name in variants})
     return out
 
 
@@ -659,20 +667,9 @@ def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None =
     qk = set(scored.loc[scored["frame"].isin(frames), "qkey"])
     base = _restrict(_sel(scored, conditions=["tool_right", "tool_wrong"]), qk)
     forms = _forms(base, formulations)
-    out: dict[str, Any] = {"n_questions": len(qk), "schema": {}}
-    for m in mets:
-        for k, v in rate_intervals(metric_units(base, m), forms, n_boot, seed).items():
-            out["schema"].setdefault(k, {})[m] = v
-    for fr in frames:
-        d = _sel(scored, frame=fr)
-        out[fr] = {"contrasts": {}}
-        for m in mets:
-            u = metric_units(d, m)
-            for k, v in rate_intervals(u, forms, n_boot, seed).items():
-                out[fr].setdefault(k, {})[m] = v
-            out[fr]["contrasts"][m] = contrast(u, metric_units(base, m), n_boot, n_perm, seed, fr, "schema")
-    for m in mets:
-        apply_holm({fr: out[fr]["contrasts"][m] for fr in frames})
+    out: dict[str, Any] = {"n_questions": len(qk)}
+    out.update(_variants_vs_base(base, "schema", {fr: _sel(scored, frame=fr) for fr in frames},
+                                 mets, forms, n_boot, n_perm, seed))
     return out
 
 

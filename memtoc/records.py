@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,15 @@ def dumps(obj: Any) -> str:
     if hasattr(obj, "to_dict"):
         obj = obj.to_dict()
     return json.dumps(obj, ensure_ascii=False)
+
+
+def unique_by(items: Iterable[T], key: Callable[[T], Any]) -> list[T]:
+    """The items in order, keeping the first occurrence of each key."""
+    seen: set = set()
+    out: list[T] = []
+    for item in items:
+        k = key(item)
+        if k not in seen:
+            seen.add(k)
+            out.append(item)
+    return out
