@@ -18,6 +18,12 @@ generation
     ``--decode`` picks the transformers decode loop for both modes (``compact``, the default, drops
     finished rows after each step; ``generate`` is ``model.generate``); ``--compare-decode`` times
     one more batched run with the other loop and counts the replies that differ between the loops.
+    The batched compact loop computes each shared prompt prefix once (``share_prefix``; a batch of
+    one has nothing to share, so the loop cannot): ``prompt_tokens_computed_per_episode_batched``
+    says how many prompt tokens it really ran, while the bound counts every prompt token, as
+    DESIGN.md defines it. ``--no-share-prefix`` turns the sharing off; ``--compare-share`` times one
+    more batched run without it and counts the replies that differ (bf16 rounding of the different
+    matrix shapes).
 
 stats
     ``memtoc.stats.run_benchmark()`` (bootstrap and sign-flip timings), printed.
@@ -71,7 +77,8 @@ def param_counts(model) -> tuple[int, int]:
 def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int = 48, dtype: str = "auto",
                      model: str = "smollm2-135m-instruct", check_stop: bool = False,
                      loop_n: Optional[int] = None, release_dir: Optional[str] = None,
-                     decode: str = "compact", compare_decode: bool = False) -> dict[str, Any]:
+                     decode: str = "compact", compare_decode: bool = False, share_prefix: bool = True,
+                     compare_share: bool = False) -> dict[str, Any]:
     import torch
 
     from .models import load_generator
@@ -79,7 +86,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
 
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
-                         show_progress=False, decode=decode)
+                         show_progress=False, decode=decode, share_prefix=share_prefix)
     total_params, non_emb = param_counts(gen.model)
     rate = matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32")
 
@@ -99,7 +106,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     # measure again after them and keep the best, so the bound (and bound_ratio) is not flattered
     rate = max(rate, matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32"))
     decode_stats = {k: gen.decode_stats[k] - stats0[k] for k in stats0}
-    batches = gen.plan_batches([r.n_prompt_tokens for r in batched])
+    batches = gen.plan_batches([r.n_prompt_tokens for r in batched])  # sizes only: the same either order
 
     prompt_tok = sum(r.n_prompt_tokens for r in batched)
     new_tok = sum(r.n_new_tokens for r in batched)
@@ -120,8 +127,22 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(), "torch": torch.__version__,
-        "decode": decode, "decode_stats_batched": decode_stats,
+        "decode": decode, "decode_stats_batched": decode_stats, "share_prefix": share_prefix,
+        "prompt_tokens_computed_per_episode_batched": decode_stats["prompt_tokens_computed"] / n,
     }
+    if compare_share and decode == "compact":
+        gen.share_prefix = not share_prefix
+        t0 = time.perf_counter()
+        alt = gen.generate(prompts)
+        t_alt = time.perf_counter() - t0
+        gen.share_prefix = share_prefix
+        tag = "no_share" if share_prefix else "share"
+        out.update({
+            f"s_per_episode_batched_{tag}": t_alt / n,
+            f"bound_ratio_batched_{tag}": (t_alt / n) / bound,
+            f"speedup_vs_loop_batched_{tag}": s_loop / (t_alt / n),
+            "replies_differing_share_vs_no_share": sum(a.text != b.text for a, b in zip(batched, alt)),
+        })
     if compare_decode:
         other = "generate" if decode == "compact" else "compact"
         gen.decode = other
@@ -164,6 +185,13 @@ def _print_generation(r: dict[str, Any]) -> None:
     print(f"  speedup vs loop : {r['speedup_vs_loop']:.2f}x")
     print(f"  compute bound   : {r['compute_bound_s_per_episode']:.3f} s/episode at {r['matmul_rate_gflops']:.0f} "
           f"GFLOP/s (bf16 matmul); batched / bound = {r['bound_ratio']:.2f}")
+    print(f"  shared prefixes : {r.get('share_prefix')} ({r.get('prompt_tokens_computed_per_episode_batched', 0):.0f} "
+          f"prompt tokens computed per episode)")
+    for tag in ("no_share", "share"):
+        if f"s_per_episode_batched_{tag}" in r:
+            print(f"  batched, {tag.replace('_', ' ')}: {r[f's_per_episode_batched_{tag}']:.3f} s/episode, "
+                  f"{r[f'speedup_vs_loop_batched_{tag}']:.2f}x the loop, {r[f'bound_ratio_batched_{tag}']:.2f}x the "
+                  f"bound; replies differing: {r['replies_differing_share_vs_no_share']} of {r['n_episodes']}")
     print(f"  replies differing loop vs batched: {r['replies_differing_loop_vs_batched']}; "
           f"load avg {r['load_avg_1m']}")
     for k in ("s_per_episode_batched_generate", "s_per_episode_batched_compact"):
@@ -193,6 +221,10 @@ def cli(argv: list[str]) -> int:
                    help="transformers decode loop (default compact: finished rows leave the batch)")
     g.add_argument("--compare-decode", action="store_true",
                    help="also time the batched run with the other decode loop and count differing replies")
+    g.add_argument("--no-share-prefix", action="store_true",
+                   help="compute every prompt token of a batch (no shared-prefix prefill)")
+    g.add_argument("--compare-share", action="store_true",
+                   help="also time the batched run with the other prefix setting and count differing replies")
     g.add_argument("--release", default=None)
     s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.stats.run_benchmark)")
     s.add_argument("--json", action="store_true")
@@ -206,7 +238,8 @@ def cli(argv: list[str]) -> int:
             except ValueError:
                 raise ConfigError(f"--batch-size must be an integer or 'auto', got {bs!r}") from None
         r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release,
-                             decode=a.decode, compare_decode=a.compare_decode)
+                             decode=a.decode, compare_decode=a.compare_decode,
+                             share_prefix=not a.no_share_prefix, compare_share=a.compare_share)
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
     from .stats import run_benchmark

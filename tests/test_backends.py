@@ -131,3 +131,17 @@ def test_cpu_decode_attention_matches_sdpa(mask_kind):
     got, _ = cpu_decode_attention(module, q, k, v, mask, scaling=0.3)
     assert got.shape == want.shape == (B, 1, H, D)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_plan_batches_in_token_order_group_shared_prefixes():
+    ids = [[1, 5, 9], [2, 1], [1, 5, 3, 3], [2, 1, 1, 1, 1], [1, 7]]
+    lengths = [len(x) for x in ids]
+    assert _plan(2, lengths, budget=100, new=1) == [[3, 2], [0, 1], [4]]          # length order
+    fake = SimpleNamespace(batch_size=2, token_budget=100, max_batch=64, max_new_tokens=1)
+    from memtoc.backends.hf import TransformersGenerator
+    assert TransformersGenerator.plan_batches(fake, lengths, ids) == [[2, 0], [4, 1], [3]]
+    # the token budget holds for the longest prompt of each batch, wherever it sits in the batch
+    fake.batch_size = "auto"
+    fake.token_budget = 12
+    for batch in TransformersGenerator.plan_batches(fake, lengths, ids):
+        assert len(batch) * (max(lengths[i] for i in batch) + 1) <= 12
