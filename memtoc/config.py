@@ -101,9 +101,15 @@ DEFAULTS: dict[str, Any] = {
     "alpha": 0.05,
     # fine-tuning
     "finetune": {"enabled": True},
+    # the LLM-judge overlay (PROTOCOL §4b, the "judged" layer; memtoc/judge.py): null = det only.
+    # {model: <registry name or local dir>, backend: transformers|vllm|openai, backend_options: {...},
+    #  max_new_tokens: 32}
+    "judge": None,
     # report / verification
     "verify": True,
 }
+
+JUDGE_KEYS = ("model", "backend", "backend_options", "max_new_tokens")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -156,7 +162,32 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
         fail("alpha", "must be in (0, 1)")
     if not isinstance(p["finetune"], dict):
         fail("finetune", "must be a mapping (see params/finetune.yaml)")
+    if p["judge"] is not None:
+        p["judge"] = _check_judge(p["judge"], fail)
     return p
+
+
+def _check_judge(j: Any, fail) -> dict[str, Any]:
+    """The ``judge`` block with its defaults (backend transformers, no options, 32 new tokens)."""
+    example = "e.g. judge: {model: smollm2-135m-instruct, backend: transformers}"
+    if not isinstance(j, dict):
+        fail("judge", f"must be null (no judged layer) or a mapping with a model; {example}")
+    unknown = sorted(set(j) - set(JUDGE_KEYS))
+    if unknown:
+        fail("judge", f"unknown key(s) {unknown}; valid keys are: {', '.join(JUDGE_KEYS)}")
+    if not isinstance(j.get("model"), str) or not j["model"]:
+        fail("judge.model", f"must be a registry model name or a local HF directory; {example}")
+    out = {"model": j["model"], "backend": j.get("backend", "transformers"),
+           "backend_options": {} if j.get("backend_options") is None else j["backend_options"],
+           "max_new_tokens": j.get("max_new_tokens", 32)}
+    if out["backend"] not in ("transformers", "vllm", "openai"):
+        fail("judge.backend", f"must be one of transformers, vllm, openai, got {out['backend']!r}")
+    if not isinstance(out["backend_options"], dict):
+        fail("judge.backend_options", "must be a mapping (e.g. {base_url: ..., api_key: ...} for openai)")
+    mnt = out["max_new_tokens"]
+    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+        fail("judge.max_new_tokens", f"must be a positive integer, got {mnt!r}")
+    return out
 
 
 def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

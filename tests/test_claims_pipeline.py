@@ -33,6 +33,15 @@ class _Gen:
         return [_Reply(self.answer(p)) for p in prompts]
 
 
+class _Judge:
+    """A scripted judge: YES / NO acks and ABSTAIN / an entity, by the prompt's length parity."""
+
+    def generate(self, prompts, cache_path=None, desc=None):
+        if "YES or NO" in (prompts or [""])[0]:
+            return [_Reply("YES" if len(p) % 2 else "NO") for p in prompts]
+        return [_Reply("ABSTAIN" if len(p) % 3 == 0 else "something else") for p in prompts]
+
+
 def _rule(seed, gold_by_prompt=None):
     rng = random.Random(seed)
     memo = {}
@@ -59,7 +68,7 @@ def _rule(seed, gold_by_prompt=None):
 
 @pytest.fixture(scope="module")
 def stage_run(tmp_path_factory):
-    from memtoc import construct, elicitation
+    from memtoc import construct, elicitation, judge
     from memtoc import evaluation as ev
     from memtoc.benchmark import load_benchmark, select_questions
     from memtoc.config import DEFAULTS
@@ -86,7 +95,10 @@ def stage_run(tmp_path_factory):
         gold_e = {e.prompt: e.gold for e in eps}
         scored[m] = ev.evaluate(_Gen(_rule(10 + i, gold_e)), m, eps, memory[m], rd)
     (rd / "summaries" / "elicitation.json").write_text(json.dumps(elicitation.summary(pd.concat(mems)), default=str))
-    ev.write_summary(ev.evaluation_summary(scored, memory, P), rd)
+    # the optional judged layer (PROTOCOL §4b) with a scripted judge, so its claims are checked too
+    summary = judge.add_judged(ev.evaluation_summary(scored, memory, P), scored,
+                               dict(P, run_dir=rd, judge={"model": "fake-judge"}), generator=_Judge())
+    ev.write_summary(summary, rd)
     try:
         from memtoc import finetune
     except ImportError:   # the fine-tuning stage is optional for the report
@@ -123,6 +135,9 @@ def test_registry_resolves_on_real_stage_summaries(stage_run):
         assert f"elicit.{m}.forced.memory_correct" in ids
         assert f"prompting.{m}.n_questions.retention" not in ids    # counts are not arms
     assert "ranking.retention.stable" in ids
+    assert "judged.judge_model" in ids
+    for m in MODELS:
+        assert f"judged.{m}.retention" in ids and f"judged.{m}.car" in ids and f"judged.{m}.car.n" in ids
     for m in MODELS:
         for obj in ("sft", "dpo"):
             assert f"main.{m}.{obj}.retention" in ids
