@@ -28,3 +28,19 @@ def test_param_counts_on_a_tiny_model():
 def test_cli_rejects_bad_batch_size():
     with pytest.raises(ConfigError, match="batch-size"):
         bench.cli(["generation", "--batch-size", "big"])
+
+
+@pytest.mark.integration
+def test_bench_generation_reports_every_field_on_a_small_run():
+    """The real benchmark on 4 prompts (not timed as a test: only its fields and their consistency)."""
+    r = bench.bench_generation(n=4, loop_n=2, max_new_tokens=8, repeats=2, compare_share=True)
+    for k in ("s_per_episode_loop", "s_per_episode_batched", "speedup_vs_loop", "compute_bound_s_per_episode",
+              "bound_ratio", "s_per_episode_batched_no_share", "replies_differing_share_vs_no_share"):
+        assert k in r
+    assert len(r["s_per_episode_batched_repeats"]) == 2
+    assert sorted(r["s_per_episode_batched_repeats"])[0] <= r["s_per_episode_batched"]
+    assert r["speedup_vs_loop"] == pytest.approx(r["s_per_episode_loop"] / r["s_per_episode_batched"])
+    assert r["bound_ratio"] == pytest.approx(r["s_per_episode_batched"] / r["compute_bound_s_per_episode"])
+    # the 4 prompts share the instruction: fewer prompt tokens computed than given
+    assert r["prompt_tokens_computed_per_episode_batched"] < r["prompt_tokens_per_episode_batched"]
+    assert r["replies_differing_between_repeats"] == 0
