@@ -154,19 +154,22 @@ def _compact_layer_class():
 
         def update(self, key_states, value_states, *args, **kwargs):
             T = key_states.shape[-2]
-            if self.buf_k is None:  # the prefill
+            if self.buf_k is None:  # the prefill: the prompt's keys / values first, the rest zero
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
-                B, H, _, D = key_states.shape
-                self.preload(key_states.new_empty((B, H, max(self.capacity, T), D)),
-                             value_states.new_empty((B, value_states.shape[1], max(self.capacity, T),
-                                                     value_states.shape[-1])), 0)
-            if self.end + T > self.buf_k.shape[2]:
-                raise RuntimeError("compact decode cache: capacity exceeded")  # a bug, never user input
-            self.buf_k[: self.rows, :, self.end:self.end + T] = key_states
-            self.buf_v[: self.rows, :, self.end:self.end + T] = value_states
-            self.end += T
-            self._views()
+                cap = max(self.capacity, T)
+                bk = key_states.new_empty(key_states.shape[:2] + (cap, key_states.shape[-1]))
+                bv = value_states.new_empty(value_states.shape[:2] + (cap, value_states.shape[-1]))
+                bk[:, :, :T] = key_states
+                bv[:, :, :T] = value_states
+                self.preload(bk, bv, T)
+            else:
+                if self.end + T > self.buf_k.shape[2]:
+                    raise RuntimeError("compact decode cache: capacity exceeded")  # a bug, never user input
+                self.buf_k[: self.rows, :, self.end:self.end + T] = key_states
+                self.buf_v[: self.rows, :, self.end:self.end + T] = value_states
+                self.end += T
+                self._views()
             if T == 1:
                 return self.buf_k[: self.rows], self.buf_v[: self.rows]
             return self.keys, self.values
@@ -272,7 +275,8 @@ class TransformersGenerator(Generator):
             raise ConfigError(f"transformers backend option decode must be one of {list(DECODE_LOOPS)}, "
                               f"got {decode!r}")
         self.decode = decode
-        # counters of the compact loop, summed over calls: decoded row-steps, padding columns cut
+        # counters of the compact loop, summed over calls: batches, decode steps, decoded row-steps,
+        # prompt tokens actually run (fewer than given when prefixes are shared), prefill forward calls
         self.decode_stats = {"batches": 0, "row_steps": 0, "steps": 0,
                              "prompt_tokens_computed": 0, "prefill_calls": 0}
         self.share_prefix = bool(share_prefix)
@@ -441,9 +445,10 @@ class TransformersGenerator(Generator):
     def _decode_compact(self, input_ids, attn) -> list[tuple[list[int], str]]:
         """Greedy decoding that drops finished rows after every step (see the module docstring).
 
-        Mirrors ``generate``: position ids = cumulative sum of the mask - 1 (0 on padding), the mask
-        dropped altogether when there is no padding, float32 argmax of the last logits, the EOS token
-        not part of the reply, a FINAL-line check when the new token holds a newline."""
+        Mirrors ``generate``: position ids = cumulative sum of the mask - 1 (0 on padding), float32
+        argmax of the last logits, the EOS token not part of the reply, a FINAL-line check when the
+        new token holds a newline. Decode steps pass a 4-D boolean mask as wide as the cache buffer
+        (see :func:`_compact_layer_class`)."""
         import torch
 
         model = self.model
@@ -566,14 +571,7 @@ class TransformersGenerator(Generator):
                         mask[j, W - s.start:W] = 1
                         past[j, W - s.start:] = torch.tensor(slots(s.parent))
                 inp, mask, pos, past = inp.to(dev), mask.to(dev), pos.to(dev), past.to(dev)
-                cache = self._new_cache(W + S)
-                if W:
-                    for layer, sk, sv in zip(cache.layers, store_k, store_v):
-                        bk = sk.new_empty((n, sk.shape[1], W + S, sk.shape[2]))
-                        bv = sv.new_empty((n, sv.shape[1], W + S, sv.shape[2]))
-                        bk[:, :, :W] = sk[past].transpose(1, 2)
-                        bv[:, :, :W] = sv[past].transpose(1, 2)
-                        layer.preload(bk, bv, W)
+                cache = self._cache_from_store(store_k, store_v, past, W + S) if W else self._new_cache(W + S)
                 out = self.model(input_ids=inp, attention_mask=None if bool((mask == 1).all()) else mask,
                                  position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1,
                                  return_dict=True)
@@ -602,15 +600,20 @@ class TransformersGenerator(Generator):
         gather = torch.zeros((B, P), dtype=torch.long)
         for r, leaf in enumerate(leaves_by_row(segs, B)):
             gather[r, P - lens[r]:] = torch.tensor(slots(leaf))
-        gather = gather.to(dev)
-        cache = self._new_cache(P + self.max_new_tokens)
+        return self._cache_from_store(store_k, store_v, gather.to(dev), P + self.max_new_tokens), torch.stack(logits)
+
+    def _cache_from_store(self, store_k, store_v, gather, capacity: int):
+        """A compact cache of ``capacity`` columns whose first ``gather.shape[1]`` columns hold, for
+        each row r, the stored keys / values of slots ``gather[r]`` (slot 0 = zeros, for padding)."""
+        n, W = gather.shape
+        cache = self._new_cache(capacity)
         for layer, sk, sv in zip(cache.layers, store_k, store_v):
-            bk = sk.new_empty((B, sk.shape[1], P + self.max_new_tokens, sk.shape[2]))
-            bv = sv.new_empty((B, sv.shape[1], P + self.max_new_tokens, sv.shape[2]))
-            bk[:, :, :P] = sk[gather].transpose(1, 2)
-            bv[:, :, :P] = sv[gather].transpose(1, 2)
-            layer.preload(bk, bv, P)
-        return cache, torch.stack(logits)
+            bk = sk.new_empty((n, sk.shape[1], capacity, sk.shape[2]))
+            bv = sv.new_empty((n, sv.shape[1], capacity, sv.shape[2]))
+            bk[:, :, :W] = sk[gather].transpose(1, 2)
+            bv[:, :, :W] = sv[gather].transpose(1, 2)
+            layer.preload(bk, bv, W)
+        return cache
 
     def _segment_chunks(self, level):
         """Segments of one depth cut into forward calls: longest first; a call holds segments while
