@@ -108,7 +108,7 @@ import numpy as np
 import pandas as pd
 
 from .config import FORMULATIONS, DataError, MemtocError
-from .records import Episode, dumps
+from .records import Episode, arm_key
 
 SCHEMA_VERSION = 1
 
@@ -363,15 +363,27 @@ def evaluate(generator, model_label: str, episodes: Sequence[Episode], memory: p
     df = score_episodes(episodes, texts, memory, matcher=matcher, model_label=model_label)
     df["n_new_tokens"] = [getattr(r, "n_new_tokens", None) for r in replies]
     df["cached"] = [getattr(r, "cached", None) for r in replies]
-    out_dir = Path(run_dir) / "scored" / model_label
-    for arm_key, part in df.groupby(np.array([e.arm_key for e in episodes]), sort=False):
-        _write_jsonl(out_dir / f"{arm_key}.jsonl", part.drop(columns=["schema"], errors="ignore").to_dict("records"))
+    write_scored(df, run_dir, model_label)
     return df
 
 
-def read_scored(run_dir, model_label: str | None = None) -> pd.DataFrame:
-    """Read back ``scored/<model>/*.jsonl`` of a run (all models when ``model_label`` is None)."""
-    base = Path(run_dir) / "scored"
+def write_scored(df: pd.DataFrame, run_dir, model_label: str, folder: str = "scored") -> list[Path]:
+    """``<folder>/<model>/<arm_key>.jsonl``: the scored rows, one file per (arm, frame, formulation)
+    (the tool schema column is left out). Returns the paths written."""
+    out_dir = Path(run_dir) / folder / model_label
+    keys = np.array([arm_key(a, f, fo) for a, f, fo in zip(df["arm"], df["frame"], df["formulation"])])
+    paths = []
+    for key, part in df.groupby(keys, sort=False):
+        paths.append(out_dir / f"{key}.jsonl")
+        _write_jsonl(paths[-1], part.drop(columns=["schema"], errors="ignore").to_dict("records"))
+    return paths
+
+
+def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
+                hint: str = "run notebook 03_evaluation first") -> pd.DataFrame:
+    """Read back ``<folder>/<model>/*.jsonl`` of a run (all models when ``model_label`` is None);
+    ``hint`` ends the error when there is nothing to read."""
+    base = Path(run_dir) / folder
     dirs = [base / model_label] if model_label else sorted(p for p in base.glob("*") if p.is_dir())
     frames = []
     for d in dirs:
@@ -380,7 +392,7 @@ def read_scored(run_dir, model_label: str | None = None) -> pd.DataFrame:
                 continue
             frames.append(pd.read_json(p, lines=True, dtype=False))
     if not frames:
-        raise DataError(f"no scored files under {base}; run notebook 03_evaluation first")
+        raise DataError(f"no scored files under {base}; {hint}")
     return pd.concat(frames, ignore_index=True)
 
 

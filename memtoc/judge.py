@@ -94,6 +94,7 @@ import numpy as np
 import pandas as pd
 
 from .config import FORMULATIONS, ConfigError, MemtocError
+from .metrics import _isna
 
 TASKS = ("extract", "ack")
 TARGETS = ("final", "closed_book")
@@ -234,13 +235,6 @@ def _check(scored: pd.DataFrame, need: Sequence[str], what: str) -> None:
     if missing:
         raise JudgeError(f"{what}: the scored frame lacks column(s) {missing}; pass the frame returned by "
                          "evaluation.evaluate (or read back with evaluation.read_scored)")
-
-
-def _isna(x: Any) -> bool:
-    try:
-        return x is None or bool(pd.isna(x))
-    except (TypeError, ValueError):
-        return False
 
 
 def _text(x: Any) -> str:
@@ -479,35 +473,17 @@ def load_judge(P: dict):
                                  model_cache_dir=P.get("model_cache_dir"), **j["backend_options"])
 
 
-def _arm_key(row: dict) -> str:
-    parts = [row["arm"]] + ([row["frame"]] if row["frame"] != "schema" else []) + [row["formulation"]]
-    return "__".join(parts)
-
-
 def write_judged(judged: pd.DataFrame, run_dir, model_label: str) -> list[Path]:
     """``scored_judged/<model>/<arm_key>.jsonl`` (the layout of ``scored/``)."""
-    from .evaluation import _write_jsonl
-
-    out_dir = Path(run_dir) / "scored_judged" / model_label
-    keys = np.array([_arm_key(r) for r in judged[["arm", "frame", "formulation"]].to_dict("records")])
-    paths = []
-    for k, part in judged.groupby(keys, sort=False):
-        p = out_dir / f"{k}.jsonl"
-        _write_jsonl(p, part.drop(columns=["schema"], errors="ignore").to_dict("records"))
-        paths.append(p)
-    return paths
+    from .evaluation import write_scored
+    return write_scored(judged, run_dir, model_label, folder="scored_judged")
 
 
 def read_judged(run_dir, model_label: Optional[str] = None) -> pd.DataFrame:
     """Read back ``scored_judged/<model>/*.jsonl`` (all models when ``model_label`` is None)."""
-    from .config import DataError
-
-    base = Path(run_dir) / "scored_judged"
-    dirs = [base / model_label] if model_label else sorted(p for p in base.glob("*") if p.is_dir())
-    frames = [pd.read_json(p, lines=True, dtype=False) for d in dirs for p in sorted(d.glob("*.jsonl"))]
-    if not frames:
-        raise DataError(f"no judged files under {base}; set the parameter 'judge' and run notebook 03_evaluation")
-    return pd.concat(frames, ignore_index=True)
+    from .evaluation import read_scored
+    return read_scored(run_dir, model_label, folder="scored_judged",
+                       hint="set the parameter 'judge' and run notebook 03_evaluation")
 
 
 def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Sequence[Judgment],

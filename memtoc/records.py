@@ -38,6 +38,12 @@ class Question:
         return asdict(self)
 
 
+def arm_key(arm: str, frame: str, formulation: str) -> str:
+    """File stem of an (arm, frame, formulation): ``arm[__frame]__formulation`` (the schema frame,
+    the default, is left out)."""
+    return "__".join([arm] + ([frame] if frame != "schema" else []) + [formulation])
+
+
 @dataclass(frozen=True)
 class Episode:
     """One prompt shown to a model: a question, a condition, a formulation, a frame and an arm."""
@@ -65,11 +71,7 @@ class Episode:
     @property
     def arm_key(self) -> str:
         """File stem used for generations/scored files: one file per (arm, frame, formulation)."""
-        parts = [self.arm]
-        if self.frame != "schema":
-            parts.append(self.frame)
-        parts.append(self.formulation)
-        return "__".join(parts)
+        return arm_key(self.arm, self.frame, self.formulation)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
