@@ -91,7 +91,8 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
                          show_progress=False, decode=decode, share_prefix=share_prefix)
     total_params, non_emb = param_counts(gen.model)
-    rate = matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32")
+    rate_dtype = "bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32"
+    rate = matmul_rate(rate_dtype)
 
     gen.generate(prompts[:2])  # warm-up (allocator, kernels), not timed
     loop_prompts = prompts[: (loop_n or n)]
@@ -102,20 +103,18 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
 
     gen.batch_size = batch_size
     stats0 = dict(gen.decode_stats)
-    t0 = time.perf_counter()
-    batched = gen.generate(prompts)
-    batch_times = [time.perf_counter() - t0]
+    batched, t_first = _timed(gen, prompts)
+    batch_times = [t_first]
     differing_repeats = 0
     decode_stats = {k: gen.decode_stats[k] - stats0[k] for k in stats0}
     for _ in range(repeats - 1):  # a short run is at the mercy of a neighbour's burst: take the median
-        t0 = time.perf_counter()
-        again = gen.generate(prompts)
-        batch_times.append(time.perf_counter() - t0)
+        again, t = _timed(gen, prompts)
+        batch_times.append(t)
         differing_repeats += sum(a.text != b.text for a, b in zip(again, batched))
     t_batch = statistics.median(batch_times)
     # the rate measured before the timings can come out low (frequency ramp, a neighbour's load):
     # measure again after them and keep the best, so the bound (and bound_ratio) is not flattered
-    rate = max(rate, matmul_rate("bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32"))
+    rate = max(rate, matmul_rate(rate_dtype))
     batches = gen.plan_batches([r.n_prompt_tokens for r in batched])  # sizes only: the same either order
 
     prompt_tok = sum(r.n_prompt_tokens for r in batched)
@@ -143,11 +142,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "prompt_tokens_computed_per_episode_batched": decode_stats["prompt_tokens_computed"] / n,
     }
     if compare_share and decode == "compact":
-        gen.share_prefix = not share_prefix
-        t0 = time.perf_counter()
-        alt = gen.generate(prompts)
-        t_alt = time.perf_counter() - t0
-        gen.share_prefix = share_prefix
+        alt, t_alt = _timed(gen, prompts, share_prefix=not share_prefix)
         tag = "no_share" if share_prefix else "share"
         out.update({
             f"s_per_episode_batched_{tag}": t_alt / n,
@@ -157,11 +152,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         })
     if compare_decode:
         other = "generate" if decode == "compact" else "compact"
-        gen.decode = other
-        t0 = time.perf_counter()
-        alt = gen.generate(prompts)
-        t_alt = time.perf_counter() - t0
-        gen.decode = decode
+        alt, t_alt = _timed(gen, prompts, decode=other)
         out.update({
             f"s_per_episode_batched_{other}": t_alt / n,
             f"speedup_vs_loop_batched_{other}": s_loop / (t_alt / n),
@@ -169,10 +160,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                 (a.text, a.finish, a.n_new_tokens) != (b.text, b.finish, b.n_new_tokens) for a, b in zip(batched, alt)),
         })
     if check_stop:
-        gen.stop_at_final = False
-        t0 = time.perf_counter()
-        full = gen.generate(prompts)
-        t_full = time.perf_counter() - t0
+        full, t_full = _timed(gen, prompts, stop_at_final=False)
         out.update({
             "s_per_episode_batched_no_final_stop": t_full / n,
             "new_tokens_per_episode_no_final_stop": sum(r.n_new_tokens for r in full) / n,
@@ -182,6 +170,21 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         })
     gen.close()
     return out
+
+
+def _timed(gen, prompts: list[str], **settings) -> tuple[list, float]:
+    """(replies, seconds) of one ``gen.generate(prompts)`` with generator ``settings`` (attributes
+    such as ``decode`` or ``share_prefix``) set for that call only."""
+    old = {k: getattr(gen, k) for k in settings}
+    for k, v in settings.items():
+        setattr(gen, k, v)
+    try:
+        t0 = time.perf_counter()
+        replies = gen.generate(prompts)
+        return replies, time.perf_counter() - t0
+    finally:
+        for k, v in old.items():
+            setattr(gen, k, v)
 
 
 def _print_generation(r: dict[str, Any]) -> None:

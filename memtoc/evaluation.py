@@ -638,8 +638,9 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
     """``{base_name: {form|pooled: {metric: interval}}, variant: {..., "contrasts": {metric: contrast}}}``
     with each variant's rates, its paired contrast vs the base, and Holm across the variants per metric."""
     out: dict[str, Any] = {base_name: {}}
+    base_units = {m: metric_units(base, m) for m in metric_names}
     for m in metric_names:
-        for k, v in rate_intervals(metric_units(base, m), forms, n_boot, seed).items():
+        for k, v in rate_intervals(base_units[m], forms, n_boot, seed).items():
             out[base_name].setdefault(k, {})[m] = v
     for name, d in variants.items():
         out[name] = {"contrasts": {}}
@@ -647,7 +648,7 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
             u = metric_units(d, m)
             for k, v in rate_intervals(u, forms, n_boot, seed).items():
                 out[name].setdefault(k, {})[m] = v
-            out[name]["contrasts"][m] = contrast(u, metric_units(base, m), n_boot, n_perm, seed, name, base_name)
+            out[name]["contrasts"][m] = contrast(u, base_units[m], n_boot, n_perm, seed, name, base_name)
     for m in metric_names:
         apply_holm({name: out[name]["contrasts"][m] for name in variants})
     return out
