@@ -677,7 +677,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                           f"set backend: transformers for this stage (got {P.get('backend')!r})")
     bench = load_benchmark(P.get("release_dir"))
     forms = list(P.get("formulations") or FORMULATIONS)
-    plans, examples = plan(P)
+    plans, examples = plan(P, bench)
     n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
     gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
                   dtype=ft["eval_dtype"] or P.get("dtype", "auto"),
@@ -816,12 +816,14 @@ def criterion_table(summary: dict[str, Any]):
     return pd.DataFrame(rows)
 
 
-def plan(P: dict[str, Any]):
-    """(plans, examples per training fold) for the run's parameters, leakage-checked (no training)."""
+def plan(P: dict[str, Any], bench=None):
+    """(plans, examples per training fold) for the run's parameters, leakage-checked (no training).
+    ``bench``: the loaded benchmark, if the caller has it (else it is loaded from the run's release)."""
     from .benchmark import load_benchmark, select_questions
 
     ft = finetune_params(P)
-    bench = load_benchmark(P.get("release_dir"))
+    if bench is None:
+        bench = load_benchmark(P.get("release_dir"))
     seed = P.get("seed", PAPER_SEED)
     plans = crossfit_plan(bench.questions, select_questions(bench.analysis, P["n_questions"], seed), ft["folds"],
                           ft["train_questions_per_fold"], ft["eval_questions_per_fold"], seed)

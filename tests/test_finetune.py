@@ -224,3 +224,36 @@ def test_summary_tables_and_figure(tmp_path):
     assert F.plot_loss_curve([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "l.png").is_file()
     p = F.write_summary({"models": {}, "x": float("nan")}, tmp_path)
     assert F.read_summary(tmp_path) == {"models": {}, "x": None} and p.name == "finetuning.json"
+
+
+@pytest.mark.integration
+def test_pair_preference_matches_the_models_own_loss(bench):
+    """The held-out diagnostic on the embedded model: padding in a batch changes nothing, the chosen
+    line's NLL equals transformers' own label loss, and swapping chosen / rejected negates the margin."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memtoc import models
+    spec = models.get_model("smollm2-135m-instruct")
+    base = models.prepare_model("smollm2-135m-instruct")
+    ex = F.training_examples(select_questions(bench.analysis, 2, 0), ["reference"])[:3]
+    batched = F.pair_preference(base, spec, ex, batch_size=8)
+    single = F.pair_preference(base, spec, ex, batch_size=1)
+    assert batched["n"] == 3
+    for k in ("accuracy", "margin", "chosen_nll"):
+        assert batched[k] == pytest.approx(single[k], abs=1e-4)
+    swapped = F.pair_preference(base, spec, [dataclasses.replace(e, chosen=e.rejected, rejected=e.chosen)
+                                             for e in ex], batch_size=8)
+    assert swapped["margin"] == pytest.approx(-batched["margin"], abs=1e-4)
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    nlls = []
+    for e in ex:
+        prompt = models.render_prompt(tok, spec, e.prompt)[0]
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        ids = tok(prompt + e.chosen + tok.eos_token, add_special_tokens=False)["input_ids"]
+        labels = [-100] * len(p_ids) + ids[len(p_ids):]
+        with torch.no_grad():
+            nlls.append(float(model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss))
+    assert batched["chosen_nll"] == pytest.approx(sum(nlls) / len(nlls), abs=1e-4)
