@@ -376,15 +376,12 @@ def apply_overlay(scored: pd.DataFrame, judgments: Iterable[Judgment], matcher: 
                 if fin[0] == "abstain":
                     r["neither_subtype"], r["abstain"] = "abstain", True
                 else:
-                    ent = fin[1]
                     mem = "" if bool(r["mem_absent"]) else _text(r["memory_span"])
-                    mem = "" if scoring.is_abstain(mem) else mem
-                    ft = (not _isna(r["tool_value"])) and scoring.match(ent, str(r["tool_value"]), matcher, kind)
-                    km = bool(mem) and scoring.match(ent, mem, matcher, kind)
-                    r["followed_tool"], r["kept_memory"] = bool(ft), bool(km)
+                    tool = None if _isna(r["tool_value"]) else str(r["tool_value"])
+                    ft, km = scoring.source_matches(fin[1], tool, mem, matcher, kind)
+                    r["followed_tool"], r["kept_memory"] = ft, km
                     r["outcome"] = scoring.outcome_of(ft, km)
-                    r["neither_subtype"] = (("abstain" if bool(r["abstain"]) else "other")
-                                            if r["outcome"] == "neither" else None)
+                    r["neither_subtype"] = scoring.neither_subtype(r["outcome"], bool(r["abstain"]))
         r["ack_judge"] = ack
         r["layer"] = LAYER
         out.append(r)

@@ -362,21 +362,34 @@ def score_reply(response: Optional[str], gold: str, tool_value: Optional[str], m
     """
     check_choice("matcher", matcher, MATCHERS)
     fin = extract_final(response)
-    mem = "" if (not memory or is_abstain(memory)) else str(memory)
-    ft = tool_value is not None and match(fin, str(tool_value), matcher, gold_kind)
-    km = bool(mem) and match(fin, mem, matcher, gold_kind)
+    ft, km = source_matches(fin, tool_value, memory, matcher, gold_kind)
     fc = match(fin, gold, matcher, gold_kind)
     ab = is_abstain(fin)
     outcome = outcome_of(ft, km)
     return {
         "extracted": fin,
-        "followed_tool": bool(ft),
-        "kept_memory": bool(km),
+        "followed_tool": ft,
+        "kept_memory": km,
         "final_correct": bool(fc),
         "abstain": bool(ab),
         "outcome": outcome,
-        "neither_subtype": ("abstain" if ab else "other") if outcome == "neither" else None,
+        "neither_subtype": neither_subtype(outcome, ab),
     }
+
+
+def source_matches(answer: str, tool_value: Optional[str], memory: Optional[str], matcher: str = "paper",
+                   gold_kind: Optional[str] = None) -> tuple[bool, bool]:
+    """(followed_tool, kept_memory) of an answer: it matches the tool value (None: no value to
+    follow) / the parametric span (empty or abstaining: mem_absent, nothing to keep)."""
+    mem = "" if (not memory or is_abstain(memory)) else str(memory)
+    ft = tool_value is not None and match(answer, str(tool_value), matcher, gold_kind)
+    km = bool(mem) and match(answer, mem, matcher, gold_kind)
+    return bool(ft), bool(km)
+
+
+def neither_subtype(outcome: str, abstain: bool) -> Optional[str]:
+    """``abstain`` / ``other`` for a neither outcome, None otherwise."""
+    return ("abstain" if abstain else "other") if outcome == "neither" else None
 
 
 def memory_status(closed_book_response: Optional[str], gold: str, matcher: str = "paper",
