@@ -14,6 +14,12 @@ Two release layouts are read:
 
 The evaluated benchmark is the table with the repair overlay applied: ``Question.near`` is the
 repaired value for the 39 REPAIR questions and ``Question.near_original`` keeps the table's value.
+
+Cross-fitting folds (``Question.fold``, 0 | 1) are the release's frozen two-fold split by chain
+(``crossfit_folds.json``; official layout: ``results/quality_control/crossfit_folds.json``): its fold
+``A`` is memtoc's fold 0 and ``B`` fold 1. Chains the file does not cover (a new pool, or a chain whose
+questions the file does not list) get :func:`assign_folds`, run over those chains only (see
+:func:`resolve_folds`); ``load_benchmark(..., folds="rule")`` uses the rule for every chain.
 """
 from __future__ import annotations
 
@@ -30,6 +36,10 @@ from .config import FORMULATIONS, PAPER_SEED, DataError, resolve_release_dir
 from .records import Question
 
 COMPACT_FILES = ("questions_575.jsonl", "qc_lists.json", "repair_overlay_39.json")
+FOLDS_FILE = "crossfit_folds.json"
+#: The release's fold names -> memtoc's fold numbers.
+FROZEN_FOLD_NAMES = {"A": 0, "B": 1}
+FOLD_MODES = ("frozen", "rule")
 OFFICIAL_MAPPING = Path("results/construction/distractor_mapping_575.json")
 HUMAN_SOURCES = ("dual_human_adjudication",)
 HUMAN_METHODS = ("human_authorized",)
@@ -54,6 +64,8 @@ class Benchmark:
     release_dir: Path
     layout: str                      # "compact" | "official"
     files: dict[str, str] = field(default_factory=dict)
+    #: where the folds came from: {"mode", "file", "frozen_chains", "rule_chains"}
+    folds_source: dict[str, Any] = field(default_factory=dict)
 
     @property
     def analysis(self) -> list[Question]:
@@ -66,7 +78,7 @@ class Benchmark:
     def counts(self, episodes: bool = True) -> dict[str, Any]:
         """Construction counts computed from the data (see ``PAPER_COUNTS`` for the paper's)."""
         qs, an = self.questions, self.analysis
-        human = [q for q in qs if q.source in HUMAN_SOURCES or q.method in HUMAN_METHODS]
+        human = [q for q in qs if is_human_distractor(q)]
         fold_q = Counter(q.fold for q in qs)
         fold_c = Counter(f for f in {q.instance_id: q.fold for q in qs}.values())
         out: dict[str, Any] = {
@@ -92,6 +104,7 @@ class Benchmark:
             "methods": dict(Counter(q.method for q in qs).most_common()),
             "folds_questions": {str(k): fold_q[k] for k in sorted(fold_q, key=str)},
             "folds_chains": {str(k): fold_c[k] for k in sorted(fold_c, key=str)},
+            "folds_source": dict(self.folds_source),
         }
         if episodes:
             from .episodes import CORE_CONDITIONS, build_episodes
@@ -293,15 +306,67 @@ def _apply_qc(questions: list[Question], exclude: list[str], repair: list[str],
     return out
 
 
-def _with_folds(questions: list[Question], seed: int = PAPER_SEED) -> list[Question]:
-    folds = assign_folds(questions, seed)
-    return [replace(q, fold=folds[q.instance_id]) for q in questions]
+def read_frozen_folds(path: Path) -> dict[int, tuple[int, frozenset[str]]]:
+    """The release's frozen split: ``{instance_id: (fold 0 | 1, the chain's qkeys)}`` from
+    ``crossfit_folds.json`` (``assignments``: instance_id, fold ``A`` | ``B``, qkeys)."""
+    obj = _read_json(path)
+    recs = obj.get("assignments") if isinstance(obj, dict) else None
+    if not isinstance(recs, list):
+        raise DataError(f"{path}: expected a JSON object with an 'assignments' list "
+                        "(instance_id, fold A|B, qkeys), as in the release's crossfit_folds.json")
+    out: dict[int, tuple[int, frozenset[str]]] = {}
+    for i, r in enumerate(recs):
+        inst, fold, qkeys = (r.get("instance_id"), r.get("fold"), r.get("qkeys")) if isinstance(r, dict) else (None,) * 3
+        if (not isinstance(inst, int) or isinstance(inst, bool) or fold not in FROZEN_FOLD_NAMES
+                or not isinstance(qkeys, list) or not all(isinstance(k, str) for k in qkeys)):
+            raise DataError(f"{path}: assignments[{i}] needs an integer 'instance_id', 'fold' A or B and a "
+                            f"list of 'qkeys', got {r!r}")
+        if inst in out:
+            raise DataError(f"{path}: instance_id {inst} is assigned twice (assignments[{i}])")
+        out[inst] = (FROZEN_FOLD_NAMES[fold], frozenset(qkeys))
+    return out
+
+
+def resolve_folds(questions: Iterable[Question], frozen: Optional[dict[int, tuple[int, frozenset[str]]]] = None,
+                  seed: int = PAPER_SEED) -> tuple[dict[int, int], dict[str, int]]:
+    """``({instance_id: fold}, {"frozen_chains": n, "rule_chains": m})``.
+
+    A chain takes its frozen fold when ``frozen`` lists its instance_id and every one of the chain's
+    qkeys under it (the paper's split). Every other chain (none when ``frozen`` is None) gets the
+    deterministic rule :func:`assign_folds`, run over those chains only, so that they are balanced
+    among themselves and a chain is never split.
+    """
+    questions = list(questions)
+    by_chain: dict[int, set[str]] = {}
+    for q in questions:
+        by_chain.setdefault(q.instance_id, set()).add(q.qkey)
+    frozen = frozen or {}
+    folds = {c: frozen[c][0] for c, keys in by_chain.items() if c in frozen and keys <= frozen[c][1]}
+    rest = [q for q in questions if q.instance_id not in folds]
+    folds.update(assign_folds(rest, seed) if rest else {})
+    n_rule = len({q.instance_id for q in rest})
+    return folds, {"frozen_chains": len(by_chain) - n_rule, "rule_chains": n_rule}
+
+
+def _with_folds(questions: list[Question], root: Path, files: dict[str, str], mode: str = "frozen",
+                seed: int = PAPER_SEED) -> tuple[list[Question], dict[str, Any]]:
+    if mode not in FOLD_MODES:
+        raise DataError(f"folds must be one of {list(FOLD_MODES)}, got {mode!r}")
+    path = None
+    if mode == "frozen":
+        path = root / FOLDS_FILE if (root / FOLDS_FILE).is_file() else _find_one(root, ("crossfit_folds*.json",))
+    frozen = read_frozen_folds(path) if path is not None else None
+    if path is not None:
+        files["folds"] = str(path)
+    folds, counts = resolve_folds(questions, frozen, seed)
+    source = {"mode": mode, "file": str(path) if path else None, **counts}
+    return [replace(q, fold=folds[q.instance_id]) for q in questions], source
 
 
 # ----------------------------------------------------------------------------------------------
 # Layouts
 
-def _load_compact(root: Path) -> Benchmark:
+def _load_compact(root: Path, folds: str = "frozen") -> Benchmark:
     paths = {name: root / name for name in COMPACT_FILES}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
@@ -314,7 +379,8 @@ def _load_compact(root: Path) -> Benchmark:
     exclude, repair = _read_qc(paths["qc_lists.json"])
     overlay = _read_overlay(paths["repair_overlay_39.json"])
     qs = _apply_qc(qs, exclude, repair, overlay, files)
-    return Benchmark(questions=_with_folds(qs), release_dir=root, layout="compact", files=files)
+    qs, source = _with_folds(qs, root, files, folds)
+    return Benchmark(questions=qs, release_dir=root, layout="compact", files=files, folds_source=source)
 
 
 _EPISODE_ID = re.compile(r"^(\d+)-(\d+)-([a-z_]+)-v(\d+)$")
@@ -366,7 +432,7 @@ def _find_one(root: Path, patterns: Iterable[str]) -> Optional[Path]:
     return None
 
 
-def _load_official(root: Path) -> Benchmark:
+def _load_official(root: Path, folds: str = "frozen") -> Benchmark:
     mpath = root / OFFICIAL_MAPPING
     files = {"table": str(mpath)}
     schemas, ep_fields = _episode_schemas(root, files)
@@ -404,30 +470,36 @@ def _load_official(root: Path) -> Benchmark:
     files.update(qc=str(qc), overlay=str(overlay))
     exclude, repair = _read_qc(qc)
     qs = _apply_qc(qs, exclude, repair, _read_overlay(overlay), files)
-    return Benchmark(questions=_with_folds(qs), release_dir=root, layout="official", files=files)
+    qs, source = _with_folds(qs, root, files, folds)
+    return Benchmark(questions=qs, release_dir=root, layout="official", files=files, folds_source=source)
 
 
-def load_benchmark(release_dir=None) -> Benchmark:
+def load_benchmark(release_dir=None, folds: str = "frozen") -> Benchmark:
     """Load the benchmark from ``release_dir`` (default: ``$MEMTOC_RELEASE``, then
-    ``../shared/memtoc-release``), detecting the compact or the official layout."""
+    ``../shared/memtoc-release``), detecting the compact or the official layout.
+
+    ``folds``: ``"frozen"`` (default: the release's ``crossfit_folds.json`` where it covers a chain,
+    the rule elsewhere) or ``"rule"`` (:func:`assign_folds` for every chain)."""
     root = resolve_release_dir(release_dir)
     if (root / OFFICIAL_MAPPING).is_file():
-        return _load_official(root)
-    return _load_compact(root)
+        return _load_official(root, folds)
+    return _load_compact(root, folds)
 
 
 # ----------------------------------------------------------------------------------------------
 # Folds and selection
 
 def assign_folds(questions: Iterable[Question], seed: int = PAPER_SEED) -> dict[int, int]:
-    """Two chain-level cross-fitting folds: ``{instance_id: 0 | 1}``.
+    """Two chain-level cross-fitting folds by a deterministic rule: ``{instance_id: 0 | 1}``. Used
+    for chains that the release's frozen split (``crossfit_folds.json``) does not cover.
 
     Chains are shuffled with ``random.Random(seed)`` and split in half by chain count (the extra
     chain of an odd count goes to fold 1); then, while the question counts differ by more than one,
     the swap of one chain from the larger fold with one from the smaller fold that best reduces the
     difference is made (ties: first in shuffled order). Chain counts stay balanced, no chain is in
     both folds, and the result depends only on the chains and the seed (not on input order).
-    On the 575 pool this gives 287/288 questions from 154/155 chains, like the paper's folds.
+    On the 575 pool this gives 287/288 questions from 154/155 chains, the paper's sizes, but not the
+    paper's partition (it agrees with the frozen one on about half the chains).
     """
     sizes = Counter(q.instance_id for q in questions)
     chains = sorted(sizes)
@@ -451,6 +523,30 @@ def assign_folds(questions: Iterable[Question], seed: int = PAPER_SEED) -> dict[
         tot[big] -= d
         tot[small] += d
     return {c: k for k in (0, 1) for c in folds[k]}
+
+
+def is_human_distractor(q: Question) -> bool:
+    """The distractor was authored by hand (the release's ``human`` source bucket)."""
+    return q.source in HUMAN_SOURCES or q.method in HUMAN_METHODS
+
+
+def fold_strata(questions: Iterable[Question]) -> dict[str, dict[str, Any]]:
+    """Per fold (``"0"``, ``"1"``): n_questions, n_instances and the counts by family, answer type
+    (``tau``), distractor source (``source_bucket``: human | machine) and their product (``stratum``,
+    "family|gold_kind|source"), laid out like the ``summary.folds`` block of crossfit_folds.json."""
+    questions = list(questions)
+    out: dict[str, dict[str, Any]] = {}
+    for k in sorted({q.fold for q in questions if q.fold is not None}):
+        qs = [q for q in questions if q.fold == k]
+        src = ["human" if is_human_distractor(q) else "machine" for q in qs]
+        out[str(k)] = {
+            "n_questions": len(qs), "n_instances": len({q.instance_id for q in qs}),
+            "family": dict(sorted(Counter(q.family for q in qs).items())),
+            "tau": dict(sorted(Counter(q.gold_kind for q in qs).items())),
+            "source_bucket": dict(sorted(Counter(src).items())),
+            "stratum": dict(sorted(Counter(f"{q.family}|{q.gold_kind}|{s}" for q, s in zip(qs, src)).items())),
+        }
+    return out
 
 
 def select_questions(questions: Iterable[Question], n: int, seed: int = PAPER_SEED) -> list[Question]:

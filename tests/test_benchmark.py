@@ -1,4 +1,5 @@
 """Benchmark loading, counts, repairs, folds, selection, bad input, official layout."""
+import dataclasses
 import json
 import shutil
 from collections import Counter
@@ -50,15 +51,56 @@ def test_repair_overlay_applied(bench):
     assert all(q.near == q.near_original for q in unrepaired)
 
 
-def test_folds_share_no_chain_and_are_balanced(bench):
+def test_folds_are_the_releases_frozen_split(bench, release):
+    """memtoc's partition is crossfit_folds.json's (A = fold 0, B = fold 1), with its summary's sizes
+    and stratum counts (family x answer type x distractor source)."""
+    frozen = json.loads((release / "crossfit_folds.json").read_text())
+    want = {a["instance_id"]: {"A": 0, "B": 1}[a["fold"]] for a in frozen["assignments"]}
+    got = {q.instance_id: q.fold for q in bench.questions}
+    assert got == want and len(got) == 309
+    assert bench.folds_source == {"mode": "frozen", "file": str(release / "crossfit_folds.json"),
+                                  "frozen_chains": 309, "rule_chains": 0}
+    strata = bm.fold_strata(bench.questions)
+    for name, k in (("A", "0"), ("B", "1")):
+        ref = frozen["summary"]["folds"][name]
+        for key in ("n_questions", "n_instances", "family", "tau", "source_bucket", "stratum"):
+            assert strata[k][key] == ref[key], (name, key)
+    assert (strata["0"]["n_questions"], strata["0"]["n_instances"]) == (287, 154)
+    assert (strata["1"]["n_questions"], strata["1"]["n_instances"]) == (288, 155)
+    # the rule alone (folds="rule") is another partition of the same sizes
+    ruled = bm.load_benchmark(release, folds="rule")
+    assert ruled.folds_source["rule_chains"] == 309 and ruled.folds_source["file"] is None
+    assert {q.instance_id: q.fold for q in ruled.questions} != want
+
+
+def test_chains_the_frozen_split_does_not_cover_get_the_rule(bench, release, tmp_path):
+    frozen = bm.read_frozen_folds(release / "crossfit_folds.json")
+    qs = bench.questions
+    new_chain = [dataclasses.replace(q, instance_id=10_000 + q.instance_id, qkey="new " + q.qkey)
+                 for q in qs[:40]]
+    changed = dataclasses.replace(qs[0], qkey="a question the file does not list")   # chain 0, new question
+    pool = [changed] + qs[1:] + new_chain
+    folds, counts = bm.resolve_folds(pool, frozen)
+    uncovered = {q.instance_id for q in new_chain} | {qs[0].instance_id}
+    assert counts == {"frozen_chains": 309 - 1, "rule_chains": len(uncovered)}
+    assert all(folds[c] == frozen[c][0] for c in folds if c not in uncovered)
+    rule = bm.assign_folds([q for q in pool if q.instance_id in uncovered])
+    assert {c: folds[c] for c in uncovered} == rule
+    assert bm.resolve_folds(list(reversed(pool)), frozen) == (folds, counts)
+    bad = tmp_path / "crossfit_folds.json"
+    bad.write_text(json.dumps({"folds": []}))
+    with pytest.raises(DataError, match="assignments"):
+        bm.read_frozen_folds(bad)
+
+
+def test_rule_folds_share_no_chain_and_are_balanced(bench):
     folds = bm.assign_folds(bench.questions)
     assert set(folds.values()) == {0, 1}
     per_chain = {}
     for q in bench.questions:
-        per_chain.setdefault(q.instance_id, set()).add(q.fold)
-        assert q.fold == folds[q.instance_id]
+        per_chain.setdefault(q.instance_id, set()).add(folds[q.instance_id])
     assert all(len(s) == 1 for s in per_chain.values())
-    sizes = Counter(q.fold for q in bench.questions)
+    sizes = Counter(folds[q.instance_id] for q in bench.questions)
     assert abs(sizes[0] - sizes[1]) <= 1
     # deterministic and independent of input order; another seed gives another split
     assert bm.assign_folds(list(reversed(bench.questions))) == folds
