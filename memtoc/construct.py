@@ -7,6 +7,8 @@
   values of the table.
 * ``flatten_toolhop`` / ``dedup_exact`` / ``factual_filter`` / ``toolhop_pool``: from a ToolHop JSON
   file (given by a user; not shipped) to flattened, de-duplicated, factual sub-questions, with counts.
+* ``related_links`` / ``related_summary``: questions of different chains where one question's gold
+  is the subject of the other (related-question leakage across the cross-fitting folds).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any, Iterable, Optional
 from .benchmark import qkey_of
 from .config import PAPER_SEED, DataError
 from .records import Question, unique_by
+from .scoring import normalize
 
 # ----------------------------------------------------------------------------------------------
 # Programmatic QC
@@ -497,6 +500,57 @@ def episode_table(episodes):
                           aggfunc="size", fill_value=0)
 
 
+# ----------------------------------------------------------------------------------------------
+# Related questions across chains (cross-fitting leakage)
+
+#: Answer types whose gold is a value, not an entity a question can be about (a year inside a film
+#: title is not the film's subject); their golds are not searched for.
+VALUE_KINDS = ("year", "date", "timezone")
+LINK_RULE = ("question A's gold (base normalize, PROTOCOL §2a; entity answer types only, i.e. not "
+             + "/".join(VALUE_KINDS) + "; at least 3 characters) occurs as a whole-word phrase in the text "
+             "of question B of another chain: B asks about A's answer")
+
+
+def related_links(questions: Iterable[Question]) -> list[dict[str, Any]]:
+    """Ordered links (A, B) between questions of different chains where A's gold is the subject of
+    B (:data:`LINK_RULE`), e.g. A "Who is the father of Chiang Hsiao-wu?" (gold Chiang Ching-kuo)
+    and B "Who is the child of Chiang Ching-kuo?". One dict per link: the two ids, qkeys, texts,
+    A's gold, both folds and exclusion flags, ``cross_fold``. Sorted by (A id, B id)."""
+    qs = list(questions)
+    texts = [f" {normalize(q.question)} " for q in qs]
+    out = []
+    for a in qs:
+        g = normalize(a.gold)
+        if a.gold_kind in VALUE_KINDS or len(g) < 3:
+            continue
+        for b, t in zip(qs, texts):
+            if b.instance_id != a.instance_id and f" {g} " in t:
+                out.append({"gold_id": a.id, "gold_qkey": a.qkey, "gold": a.gold, "gold_question": a.question,
+                            "subject_id": b.id, "subject_qkey": b.qkey, "subject_question": b.question,
+                            "gold_fold": a.fold, "subject_fold": b.fold,
+                            "gold_excluded": a.excluded, "subject_excluded": b.excluded,
+                            "cross_fold": a.fold is not None and b.fold is not None and a.fold != b.fold})
+    return sorted(out, key=lambda r: (r["gold_id"], r["subject_id"]))
+
+
+def related_summary(questions: Iterable[Question]) -> dict[str, Any]:
+    """The ``related_questions`` block of ``summaries/construction.json``: the rule, link counts
+    (all, cross-fold, cross-fold unordered pairs, cross-fold with both questions in the analysis
+    set) and every cross-fold link."""
+    links = related_links(questions)
+    cross = [r for r in links if r["cross_fold"]]
+    return {
+        "rule": LINK_RULE,
+        "n_links": len(links),
+        "n_cross_fold": len(cross),
+        "n_cross_fold_pairs": len({frozenset((r["gold_id"], r["subject_id"])) for r in cross}),
+        "n_cross_fold_analysis": sum(not r["gold_excluded"] and not r["subject_excluded"] for r in cross),
+        "cross_fold_links": cross,
+        "note": ("the paper says related-question groups never straddle folds; the release's frozen folds do "
+                 "not enforce it. finetune.exclude_linked: true drops linked questions from the training data"),
+    }
+
+
 def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
     """The content of ``summaries/construction.json``: counts, paper counts, QC, generator share,
     and the run's episode counts."""
@@ -513,6 +567,7 @@ def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
         "qc": {k: v for k, v in qc.items() if k != "failures"},
         "generator": {k: v for k, v in rep.items() if k != "mismatches"} | {"n_mismatches": len(rep["mismatches"])},
         "generator_share": rep["generator_branch"]["both"]["share"],
+        "related_questions": related_summary(bench.questions),
         "files": bench.files,
     }
     if run_episodes_list is not None:

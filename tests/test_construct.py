@@ -145,3 +145,32 @@ def test_notebook_helpers(bench, tmp_path):
     png = cs.plot_answer_types(bench.questions, tmp_path / "figures" / "answer_types.png")
     assert png.stat().st_size > 10_000
     assert set(cs.episode_table(eps).columns) == {"reference", "paraphrase_a", "paraphrase_b"}
+
+
+def test_related_questions_across_folds(bench):
+    """Questions of different chains where one's gold is the other's subject: found, with their
+    folds; the paper's example (Chiang Ching-kuo) straddles the release's frozen folds."""
+    import dataclasses
+    from memtoc.records import Question
+
+    def q(i, chain, question, gold, kind="person", fold=0):
+        return Question(id=f"{chain}.{i}", instance_id=chain, hop_idx=i, qkey=f"k{chain}{i}", question=question,
+                        gold=gold, gold_kind=kind, family="genealogy", near="x", near_original="x", far=None,
+                        fold=fold)
+    qs = [q(0, 1, "Who is the father of Ann Lee?", "John Lee"),
+          q(0, 2, "Who is the child of John Lee?", "Ann Lee", fold=1),
+          q(1, 2, "Where was John Leeds born?", "Leeds", kind="place", fold=1),    # "John Lee" is not a phrase here
+          q(0, 3, "Which 2011 film is it?", "X"),
+          q(0, 4, "When did Y end?", "2011", kind="year", fold=1)]             # values are not subjects
+    links = cs.related_links(qs)
+    assert [(r["gold_id"], r["subject_id"], r["cross_fold"]) for r in links] == [("1.0", "2.0", True),
+                                                                               ("2.0", "1.0", True)]
+    same_fold = [dataclasses.replace(x, fold=0) for x in qs]
+    assert not any(r["cross_fold"] for r in cs.related_links(same_fold))
+
+    s = cs.related_summary(bench.questions)
+    assert s["n_cross_fold"] == len(s["cross_fold_links"]) >= 15
+    assert s["n_cross_fold_pairs"] <= s["n_cross_fold"] and s["n_cross_fold_analysis"] <= s["n_cross_fold"]
+    example = [r for r in s["cross_fold_links"] if r["subject_question"] == "Who is the child of Chiang Ching-kuo?"]
+    assert example and example[0]["gold"] == "Chiang Ching-kuo" and example[0]["gold_fold"] != example[0]["subject_fold"]
+    assert cs.construction_summary(bench)["related_questions"]["n_cross_fold"] == s["n_cross_fold"]
