@@ -107,6 +107,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from . import stats
 from .config import FORMULATIONS, DataError, MemtocError
 from .records import Episode, arm_key
 
@@ -137,7 +138,9 @@ METRIC_DOC = {
     "cra_arb": "tool_wrong, arb cell: final answer correct",
     "cra_conflict": "tool_wrong in the arb cell + tool_right in the tool_gold cell: final answer correct",
     "agree_acc": "tool_right, agree cell: final answer correct",
-    "nc_acc": "tool_right, tool_gold cell: final answer correct (no-conflict accuracy)",
+    "nc_acc": ("tool_right, tool_gold cell: final answer correct (the release's no-conflict accuracy; "
+               "under deterministic decoding it equals correct-tool following by construction, since "
+               "the release's no_conflict episodes re-generate tool_right byte for byte)"),
     "keep_flag": "tool_wrong, arb cell: kept_memory flag (ties 'both' included; legacy)",
     "bw_gold": "tool_wrong, both_wrong cell: final answer correct",
     "correct_value_follow": "tool_right, all episodes: followed the (correct) tool value",
@@ -464,7 +467,7 @@ def _interval_obj(value, ci, n) -> dict:
     return {"value": v if n else None, "ci95": ci if n else None, "n": int(n)}
 
 
-def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int = 2000, seed: int = 0,
+def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int = 1000, seed: int = 0,
                    alpha: float = 0.05) -> dict:
     """``{form: interval, ..., "pooled": interval}`` for per-episode 0/1 ``units`` (columns
     formulation, qkey, value).
@@ -473,8 +476,9 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
     (``stats.cluster_bootstrap``). Pooled: the unweighted mean of the formulation rates (the paper's
     pooling); its CI resamples question clusters jointly across formulations (one draw of questions
     per replicate, applied to every formulation, since the same question appears in each), and
-    ``n`` is the total number of units. Formulations without units are omitted; pooled uses those
-    present.
+    ``n`` is the total number of units, ``n_boot_used`` the replicates in which every formulation
+    drew at least one unit (the pooled interval rests on those). Formulations without units are
+    omitted; pooled uses those present.
     """
     from . import stats
 
@@ -505,26 +509,37 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
         lo, hi = stats.percentile_ci(reps, alpha) if n_boot else (None, None)
         value = float(np.mean(num.sum(0) / den.sum(0)))
         out["pooled"] = _interval_obj(value, [lo, hi], int(den.sum()))
+        # replicates that drew no question of some formulation leave the pooled mean undefined:
+        # report how many replicates the interval rests on (issue 12 item 10)
+        out["pooled"]["n_boot_used"] = int(np.isfinite(reps).sum())
     return out
 
 
 def paired_units(treat: pd.DataFrame, base: pd.DataFrame) -> pd.DataFrame:
     """Inner join of two unit tables on (formulation, qkey): the common support of a paired
-    contrast. Columns formulation, qkey, t, b."""
+    contrast. Columns formulation, qkey, t, b. ``attrs`` carries ``n_treated_only`` /
+    ``n_untreated_only``: the units outside the common support on either side (the paper reports
+    them beside every delta)."""
     t = treat.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("t")
     b = base.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("b")
-    return pd.concat([t, b], axis=1, join="inner").reset_index()
+    out = pd.concat([t, b], axis=1, join="inner").reset_index()
+    out.attrs["n_treated_only"] = int(len(t) - len(out))
+    out.attrs["n_untreated_only"] = int(len(b) - len(out))
+    return out
 
 
-def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 2000, n_perm: int = 10000,
+def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 1000, n_perm: int = 10000,
              seed: int = 0, treatment: str = "", baseline: str = "") -> dict:
     """Paired contrast treatment − baseline on common support (units (formulation, qkey), clusters
-    qkey): delta, question-cluster bootstrap CI, sign-flip permutation p (``stats.paired_contrast``)."""
+    qkey): delta, question-cluster bootstrap CI, sign-flip permutation p (``stats.paired_contrast``),
+    and ``n_treated_only`` / ``n_untreated_only`` (units outside the common support)."""
     from . import stats
 
     pu = paired_units(treat, base)
     res: dict[str, Any] = {"treatment": treatment, "baseline": baseline, "n_units": int(len(pu)),
-                           "n_clusters": int(pu["qkey"].nunique()) if len(pu) else 0}
+                           "n_clusters": int(pu["qkey"].nunique()) if len(pu) else 0,
+                           "n_treated_only": pu.attrs["n_treated_only"],
+                           "n_untreated_only": pu.attrs["n_untreated_only"]}
     if len(pu) == 0:
         res.update(delta=None, ci95=None, p=None, p_holm=None)
         return res
@@ -649,8 +664,6 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
             for k, v in rate_intervals(u, forms, n_boot, seed).items():
                 out[name].setdefault(k, {})[m] = v
             out[name]["contrasts"][m] = contrast(u, base_units[m], n_boot, n_perm, seed, name, base_name)
-    for m in metric_names:
-        apply_holm({name: out[name]["contrasts"][m] for name in variants})
     return out
 
 
@@ -676,7 +689,7 @@ def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None =
     frames = [f for f in ("no_schema", "passage") if (scored["frame"] == f).any()]
     if not frames:
         return {}
-    mets = ("correct_value_follow", "incorrect_value_follow", "tool_follow", "wrong_follow")
+    mets = ("retention", "correct_value_follow", "incorrect_value_follow", "tool_follow", "wrong_follow")
     qk = set(scored.loc[scored["frame"].isin(frames), "qkey"])
     base = _restrict(_sel(scored, conditions=["tool_right", "tool_wrong"]), qk)
     forms = _forms(base, formulations)
@@ -711,7 +724,6 @@ def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = No
         for k, v in rate_intervals(uf, forms, n_boot, seed).items():
             out["far"].setdefault(k, {})[m] = v
         out["contrasts"][m] = contrast(uf, un, n_boot, n_perm, seed, "far", "near")
-    apply_holm({m: out["contrasts"][m] for m in ("retention", "wrong_follow")})
     return out
 
 
@@ -826,8 +838,8 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
     }
     mets = ("retention", "tool_follow", "wrong_follow", "err_abstain")
     prompting = arm_comparison(scored, PROMPTING_ARMS, mets, "prompting", **kw)
-    if prompting:
-        out["prompting"] = add_success(prompting, alpha)
+    if prompting:       # the success criterion is added once the Holm families are applied
+        out["prompting"] = prompting
     protocol = arm_comparison(scored, ("no_protocol_sentence",), mets, "protocol", **kw)
     if protocol:
         out["protocol"] = protocol
@@ -839,6 +851,98 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
     if memory is not None and "response" in scored.columns:
         out["matcher_sensitivity"] = matcher_sensitivity(scored, memory, formulations)
     return _plain(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Holm families (stats.FAMILIES): applied across models, once every model's contrasts exist
+
+# family -> (section of a model summary, contrast path inside it); members "model|<arm|frame>" or "model"
+EVALUATION_FAMILIES = {
+    "prompting_retention": ("prompting", PROMPTING_ARMS),
+    "frames_retention": ("frames", ("no_schema", "passage")),
+    "far_retention": ("far", None),
+}
+
+
+def apply_families(models: dict[str, dict], alpha: float = 0.05) -> dict[str, dict]:
+    """Holm-correct the paper's evaluation families across models (in place) and return
+    ``{family: {member: p_holm}}``. Prompting: retention over models x strategies; frames:
+    retention over models x frames; far: retention over models. Contrasts of other metrics (the
+    diagnostics) keep ``p_holm`` None: they are not corrected. Then the success criterion of each
+    prompting arm is computed (``stats.success_criterion``) from the family-adjusted retention p and
+    the uncorrected correct-tool following p."""
+    out: dict[str, dict] = {}
+    for fam, (section, variants) in EVALUATION_FAMILIES.items():
+        members: dict[str, dict] = {}
+        for model, ms in models.items():
+            sec = ms.get(section)
+            if not sec:
+                continue
+            if variants is None:
+                c = sec.get("contrasts", {}).get("retention")
+                if c:
+                    members[stats.FAMILIES[fam].key(model)] = c
+                continue
+            for v in variants:
+                c = (sec.get(v) or {}).get("contrasts", {}).get("retention")
+                if c:
+                    members[stats.FAMILIES[fam].key(model, v)] = c
+        if not members:
+            continue
+        adj = stats.holm_family(fam, {k: {"p": c.get("p")} for k, c in members.items()}, alpha)
+        for k, c in members.items():
+            c["p_holm"] = adj[k]["p_holm"]
+            c["family"] = fam
+        out[fam] = {k: adj[k]["p_holm"] for k in members}
+    for ms in models.values():
+        if ms.get("prompting"):
+            add_success(ms["prompting"], alpha)
+    return _plain(out)
+
+
+def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dict]:
+    """The fine-tuning families on a ``summaries/finetuning.json`` dict (in place): retention over
+    models x objectives and correct-tool following over models x objectives, each corrected
+    separately in every slice (each formulation, and pooled); the other metrics (diagnostics) keep
+    ``p_holm`` None. Recomputes ``criterion`` / ``criterion_by_formulation`` with the adjusted p
+    values and records the families under ``/holm_families``. Returns ``{family: {slice:
+    {member: p_holm}}}``."""
+    models = summary.get("models") or {}
+    fams = {"retention": "finetune_retention", "tool_follow": "finetune_tool_follow"}
+    applied: dict[str, dict] = {}
+    for ms in models.values():
+        for os_ in (ms.get("objectives") or {}).values():
+            for metric, by_slice in (os_.get("deltas") or {}).items():
+                if metric not in fams:
+                    for c in by_slice.values():
+                        c["p_holm"], c["family"] = None, None
+    for metric, fam in fams.items():
+        slices = sorted({sl for ms in models.values() for os_ in (ms.get("objectives") or {}).values()
+                         for sl in ((os_.get("deltas") or {}).get(metric) or {})})
+        for sl in slices:
+            members = {}
+            for model, ms in models.items():
+                for obj, os_ in (ms.get("objectives") or {}).items():
+                    c = ((os_.get("deltas") or {}).get(metric) or {}).get(sl)
+                    if c:
+                        members[stats.FAMILIES[fam].key(model, obj)] = c
+            adj = stats.holm_family(fam, {k: {"p": c.get("p")} for k, c in members.items()}, alpha)
+            for k, c in members.items():
+                c["p_holm"], c["family"] = adj[k]["p_holm"], fam
+            applied.setdefault(fam, {})[sl] = {k: adj[k]["p_holm"] for k in members}
+    for ms in models.values():
+        for os_ in (ms.get("objectives") or {}).values():
+            d = os_.get("deltas") or {}
+            if "retention" not in d or "tool_follow" not in d:
+                continue
+            crit = {sl: _plain(stats.success_criterion(d["retention"][sl], d["tool_follow"][sl], alpha=alpha))
+                    for sl in d["retention"] if sl in d["tool_follow"]}
+            if "pooled" in crit:
+                os_["criterion"] = crit.pop("pooled")
+            os_["criterion_by_formulation"] = crit
+    summary["holm_families"] = {fam: {**stats.families_summary()[fam], "members": applied.get(fam, {})}
+                                for fam in fams.values()}
+    return applied
 
 
 def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = HEADLINE_METRICS) -> dict:
@@ -864,6 +968,8 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
     kw = dict(formulations=forms, n_boot=int(P.get("n_boot", 2000)), n_perm=int(P.get("n_perm", 10000)),
               seed=0, alpha=float(P.get("alpha", 0.05)))
     models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
+    applied = apply_families(models, kw["alpha"])
+    families = {f: {**stats.families_summary()[f], "members": applied.get(f, {})} for f in EVALUATION_FAMILIES}
     return _plain({
         "schema_version": SCHEMA_VERSION,
         "run_name": P.get("run_name"),
@@ -872,6 +978,7 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
         "formulations": forms,
         "metrics": METRIC_DOC,
         "models": models,
+        "holm_families": families,
         "ranking_stability": ranking_section(models),
     })
 

@@ -19,8 +19,13 @@ bw_gold        tool_wrong                   both_wrong              final_correc
 err_abstain    tool_error                   all (incl. mem_absent)  abstain
 cra_conflict   tool_wrong + tool_right      arb + tool_gold         final_correct
 agree_acc      tool_right                   agree                   final_correct
-nc_acc         tool_right                   tool_gold               final_correct (the paper's nc_CRA)
+nc_acc         tool_right                   tool_gold               final_correct (the paper's nc_CRA; see below)
 =============  ===========================  ======================  ==================================
+
+``nc_acc`` is printed for comparison with the release only: the release's no_conflict condition is
+a byte-identical re-generation of tool_right, so under deterministic (greedy) decoding it equals
+correct-answer accuracy on the tool_gold cell, which itself equals correct-tool following whenever
+the tool value is the gold (tool_right). It carries no information beyond ``tool_follow`` here.
 
 ``cra_conflict`` pools the two genuine conflict cells: memory right / tool wrong (tool_wrong, arb)
 and memory wrong / tool right (tool_right, tool_gold). tool_error episodes are not conflicts and
@@ -195,19 +200,49 @@ def _num_den(df: pd.DataFrame, codes: np.ndarray, k: int) -> tuple[np.ndarray, n
     return num, den
 
 
-def _entry(value: float, lo: float, hi: float, n: int) -> dict[str, Any]:
+def _entry(value: float, lo: float, hi: float, n: int, n_boot_used: Optional[int] = None) -> dict[str, Any]:
     j = _stats._jsonable
-    return {"value": j(value), "ci95": [j(lo), j(hi)], "n": int(n)}
+    out = {"value": j(value), "ci95": [j(lo), j(hi)], "n": int(n)}
+    if n_boot_used is not None:
+        out["n_boot_used"] = int(n_boot_used)
+    return out
 
 
-def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_boot: int = 2000,
+def pool_formulations(values: Sequence[float], dens: Sequence[float]) -> float:
+    """The paper's pooling (PROTOCOL §6): the unweighted mean of the per-formulation rates whose
+    denominator is non-empty; NaN when none is."""
+    v, d = np.asarray(values, dtype=float), np.asarray(dens, dtype=float)
+    use = d > 0
+    return float(v[use].mean()) if use.any() else float("nan")
+
+
+def pooled_point_metrics(df: pd.DataFrame, formulation_col: str = "formulation") -> dict[str, Any]:
+    """Point values only (no bootstrap): ``{form: arm_metrics(...), "pooled": {metric: value}}``
+    with the pooled values from :func:`pool_formulations`, the same rule :func:`summarize_group`
+    uses."""
+    check_columns(df, tuple(REQUIRED_COLUMNS) + (formulation_col,))
+    forms = [f for f in FORMULATIONS if f in set(df[formulation_col])]
+    forms += sorted(set(df[formulation_col]) - set(forms), key=str)
+    out: dict[str, Any] = {str(f): arm_metrics(df[df[formulation_col] == f]) for f in forms}
+    dens = {spec.name: [float(_mask(df[df[formulation_col] == f], spec).sum()) for f in forms]
+            for spec in RATE_METRICS}
+    out["pooled"] = {spec.name: pool_formulations([out[str(f)][spec.name] for f in forms], dens[spec.name])
+                     for spec in RATE_METRICS}
+    return out
+
+
+def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_boot: int = _stats.DEFAULT_N_BOOT,
                     seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
     """Metrics of one (model, arm) over its formulations: per formulation and pooled.
 
     Per formulation: point value and a question-cluster bootstrap CI. Pooled: the unweighted mean
     of the formulations that have a non-empty denominator, CI from the SAME resampled qkeys applied
     to every formulation (a replicate where one of them is empty is dropped). One (B x K) draw
-    serves every metric, formulation and the pooled value."""
+    serves every metric, formulation and the pooled value.
+
+    Every interval reports ``n_boot_used``: the replicates in which the rate is defined. A
+    replicate that draws no question of a small cell leaves that formulation's rate, and so the
+    pooled mean, undefined; such replicates are not silently dropped but counted out here."""
     check_columns(df, tuple(REQUIRED_COLUMNS) + (formulation_col,))
     codes, qkeys = pd.factorize(df["qkey"], sort=True)
     k = len(qkeys)
@@ -224,7 +259,8 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
             point = num.sum(0) / den.sum(0)
         r = _stats.ratio_replicates(num, den, w)
         ci = _stats.percentile_ci(r, alpha)
-        block = {spec.name: _entry(point[j], ci[0, j], ci[1, j], den[:, j].sum())
+        used = np.isfinite(r).sum(0)
+        block = {spec.name: _entry(point[j], ci[0, j], ci[1, j], den[:, j].sum(), used[j] if den[:, j].sum() else 0)
                  for j, spec in enumerate(RATE_METRICS)}
         block.update(_sizes(sub))
         out[str(f)] = block
@@ -236,14 +272,14 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
     for j, spec in enumerate(RATE_METRICS):
         use = dens_a[:, j] > 0
         if not use.any():
-            pooled[spec.name] = _entry(np.nan, np.nan, np.nan, 0)
+            pooled[spec.name] = _entry(np.nan, np.nan, np.nan, 0, 0)
             pooled[spec.name]["n_formulations"] = 0
             continue
-        value = points_a[use, j].mean()
+        value = pool_formulations(points_a[:, j], dens_a[:, j])
         r = reps_a[use, :, j]
         rj = np.where(np.all(np.isfinite(r), 0), r.mean(0), np.nan)
         lo, hi = _stats.percentile_ci(rj, alpha)
-        pooled[spec.name] = _entry(value, lo, hi, dens_a[use, j].sum())
+        pooled[spec.name] = _entry(value, lo, hi, dens_a[use, j].sum(), np.isfinite(rj).sum())
         pooled[spec.name]["n_formulations"] = int(use.sum())
     for s in SIZE_NAMES:
         pooled[s] = int(sum(out[str(f)][s] for f in forms))
@@ -252,7 +288,7 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
     return out
 
 
-def summarize(df: pd.DataFrame, by: Sequence[str] = ("model", "arm", "formulation"), n_boot: int = 2000,
+def summarize(df: pd.DataFrame, by: Sequence[str] = ("model", "arm", "formulation"), n_boot: int = _stats.DEFAULT_N_BOOT,
               seed: int = 0, alpha: float = 0.05) -> dict[str, Any]:
     """Every metric with a CI, per group, per formulation and pooled.
 
@@ -292,54 +328,6 @@ def common_support(df_a: pd.DataFrame, df_b: pd.DataFrame, on: Union[str, Sequen
     kb = pd.MultiIndex.from_frame(df_b[on].astype(str))
     both = ka.intersection(kb)
     return df_a[ka.isin(both)], df_b[kb.isin(both)]
-
-
-def paired_units(treated: pd.DataFrame, untreated: pd.DataFrame, metric: str,
-                 on: Sequence[str] = ("qkey", "formulation")) -> tuple[pd.DataFrame, dict[str, int]]:
-    """Units of a paired contrast of ``metric`` (a name of RATE_METRICS): each frame is restricted
-    to the metric's denominator, units are matched on ``on`` (+ condition), and the result has
-    columns ``treated, untreated, cluster`` (cluster = qkey) ready for ``stats.paired_contrast``.
-    Also returns {"n_treated_only", "n_untreated_only"} (units outside the common support)."""
-    if metric not in SPECS:
-        raise DataError(f"unknown metric {metric!r}; metrics are {', '.join(METRIC_NAMES)}")
-    spec = SPECS[metric]
-    on = list(on) + ["condition"]
-    frames = []
-    for df in (treated, untreated):
-        check_columns(df, tuple(REQUIRED_COLUMNS) + tuple(on))
-        m = _mask(df, spec)
-        sub = df[m][on].astype(str).copy()
-        sub["v"] = flag_values(df[m], spec.flag).astype(float)
-        if sub.duplicated(on).any():
-            raise DataError(f"paired_units: duplicate units on {on} for metric {metric}; pass one "
-                            "arm per frame")
-        frames.append(sub)
-    merged = frames[0].merge(frames[1], on=on, how="outer", suffixes=("_t", "_u"), indicator=True)
-    both = merged[merged["_merge"] == "both"]
-    units = pd.DataFrame({"treated": both["v_t"].to_numpy(), "untreated": both["v_u"].to_numpy(),
-                          "cluster": both["qkey"].to_numpy()})
-    extra = {"n_treated_only": int((merged["_merge"] == "left_only").sum()),
-             "n_untreated_only": int((merged["_merge"] == "right_only").sum())}
-    return units, extra
-
-
-def paired_metric_contrast(treated: pd.DataFrame, untreated: pd.DataFrame, metric: str,
-                           on: Sequence[str] = ("qkey", "formulation"), **kw: Any) -> dict[str, Any]:
-    """``stats.paired_contrast`` of ``metric`` on the common support of two arms (pooled units
-    (qkey, formulation) clustered by qkey by default; ``on=("qkey",)`` for one formulation)."""
-    units, extra = paired_units(treated, untreated, metric, on)
-    res = _stats.paired_contrast(units, **kw)
-    return {**res, **extra, "metric": metric}
-
-
-def drop_gold_in_question(df: pd.DataFrame) -> pd.DataFrame:
-    """The Q-minus rule (PROTOCOL §6, keepQ): drop episodes whose normalize(gold) is a character
-    substring of normalize(question). ``retention`` of the result is the paper's keepQ."""
-    from .scoring import gold_in_question
-
-    check_columns(df, ("gold", "question"), "DataFrame for the Q-minus rule")
-    keep = [not gold_in_question(g, q) for g, q in zip(df["gold"].astype(str), df["question"].astype(str))]
-    return df[np.array(keep, dtype=bool)]
 
 
 def synthetic_arm(n_questions: int = 542, seed: int = 0, formulations: Sequence[str] = FORMULATIONS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ import pandas as pd
 
 from .config import MemtocError
 
-DEFAULT_N_BOOT = 2000
+DEFAULT_N_BOOT = 1000     # the release's n_boot (scripts/build_paired_treatment_summary.py: N_BOOT = 1000)
 DEFAULT_N_PERM = 10000
 
 
@@ -111,29 +112,18 @@ def cluster_bootstrap(values: Sequence[float], cluster: Sequence[Any], n_boot: i
             "n_clusters": int(len(c))}
 
 
-def episode_bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> list[float]:
-    """The release's per-cell CI (PROTOCOL §6, bootstrap 1): ``random.Random(seed)``, each resample
-    draws n indices with randrange(n); sorted means at 25 / 975 (B = 1000); rounded to 4 decimals.
-    Kept for exact comparison with published per-cell intervals; depends on the order of values."""
-    import random
-
-    v = list(map(float, values))
-    n = len(v)
-    if n == 0:
-        return [None, None]
-    r = random.Random(seed)
-    means = sorted(sum(v[r.randrange(n)] for _ in range(n)) / n for _ in range(n_boot))
-    return [round(means[int(0.025 * n_boot)], 4), round(means[min(n_boot - 1, int(0.975 * n_boot))], 4)]
-
-
 def sign_flip_pvalue(cluster_diff_sums: np.ndarray, n_units: int, delta: float,
                      n_perm: int = DEFAULT_N_PERM, rng: Optional[np.random.Generator] = None,
                      seed: int = 0) -> float:
     """Paired sign-flip permutation p-value on cluster sums (PROTOCOL §6.3): P x K random signs,
-    perm = sum(sign * cluster_sum) / n_units, p = (#{|perm| >= |delta| - 1e-12} + 1) / (P + 1)."""
+    perm = sum(sign * cluster_sum) / n_units, p = (#{|perm| >= |delta| - 1e-12} + 1) / (P + 1).
+
+    The signs are drawn exactly as the release draws them, ``rng.integers(0, 2, size=(P, K)) * 2 - 1``
+    with numpy's default int64 dtype: a narrower dtype consumes the generator differently and gives
+    other p-values on the same units."""
     rng = np.random.default_rng(seed) if rng is None else rng
     s = np.asarray(cluster_diff_sums, dtype=float)
-    signs = rng.integers(0, 2, size=(n_perm, s.size), dtype=np.int8).astype(float) * 2.0 - 1.0
+    signs = (rng.integers(0, 2, size=(n_perm, s.size)) * 2 - 1).astype(float)
     perm = (signs @ s) / n_units
     return float((np.count_nonzero(np.abs(perm) >= abs(delta) - 1e-12) + 1) / (n_perm + 1))
 
@@ -214,6 +204,78 @@ def holm_families(families: Mapping[str, Mapping[str, Mapping[str, Any]]], alpha
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Holm families as the paper declares them (§4.5, App. E; PROTOCOL §6.3). Each family is data: a
+# name, the metric it corrects, the axes its members span and the slices it is formed in. Members
+# are keyed "model|<axis value>" (or "model" when the only axis is the model); a family is
+# corrected separately in each slice (each formulation, and pooled). Metrics not named by a family
+# (the diagnostics) stay uncorrected.
+
+@dataclass(frozen=True)
+class HolmFamily:
+    name: str
+    metric: str                      # the metric whose contrasts the family corrects
+    axes: tuple[str, ...]            # what the members span, e.g. ("model", "objective")
+    slices: str                      # "each formulation and pooled" / "reference" ...
+    description: str
+
+    def key(self, *parts: Any) -> str:
+        if len(parts) != len(self.axes):
+            raise StatsInputError(f"Holm family {self.name}: a member key needs {len(self.axes)} part(s) "
+                                  f"({', '.join(self.axes)}), got {parts}")
+        return "|".join(map(str, parts))
+
+
+FAMILIES: dict[str, HolmFamily] = {f.name: f for f in (
+    HolmFamily("finetune_retention", "retention", ("model", "objective"), "each formulation and pooled",
+               "fine-tuning: retention change over models x objectives (SFT, DPO)"),
+    HolmFamily("finetune_tool_follow", "tool_follow", ("model", "objective"), "each formulation and pooled",
+               "fine-tuning: correct-tool following change over models x objectives"),
+    HolmFamily("prompting_retention", "retention", ("model", "strategy"), "each formulation and pooled",
+               "prompting: retention change over models x strategies (warn, prior, flag)"),
+    HolmFamily("frames_retention", "retention", ("model", "frame"), "each formulation and pooled",
+               "presentation frames: retention change over models x frames"),
+    HolmFamily("far_retention", "retention", ("model",), "each formulation and pooled",
+               "far vs near incorrect values: retention change over models"),
+    HolmFamily("base_vs_instruct_retention", "retention", ("instruct",), "each formulation and pooled",
+               "cross-model: base minus each instruction-tuned model, retention (App. E family C)"),
+    HolmFamily("cross_model_pairs", "retention", ("pair",), "pooled",
+               "cross-model two-proportion z-tests over every model pair (App. E)"),
+)}
+
+
+def holm_family(family: str | HolmFamily, members: Mapping[str, Mapping[str, Any]],
+                alpha: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Holm-correct one declared family: ``members`` maps member keys (``FAMILIES[f].key(...)``) to
+    contrast dicts carrying ``p`` or ``p_signflip``. Returns new dicts with ``p_holm``,
+    ``significant`` and ``family`` added; members without a p-value get ``p_holm`` None."""
+    fam = FAMILIES[family] if isinstance(family, str) else family
+    if isinstance(family, str) and family not in FAMILIES:
+        raise StatsInputError(f"unknown Holm family {family!r}; declared: {', '.join(FAMILIES)}")
+    return holm_families({fam.name: members}, alpha)[fam.name]
+
+
+def families_summary() -> dict[str, dict[str, Any]]:
+    """The declared families as plain data (for the summaries): name -> metric, axes, slices,
+    description."""
+    return {n: {"metric": f.metric, "axes": list(f.axes), "slices": f.slices, "description": f.description}
+            for n, f in FAMILIES.items()}
+
+
+def two_proportion_holm(counts: Mapping[str, tuple[int, int]], pairs: Optional[Sequence[tuple[str, str]]] = None,
+                        alpha: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Unpaired cross-model contrasts (App. E): a two-proportion z-test per pair of ``counts``
+    ({model: (k, n)}), Holm over the pairs. ``pairs`` defaults to every pair (the 10-pair family of
+    five models); pass the planned base-vs-instruct pairs for that family. Keys "a|b"; diff = a - b."""
+    names = list(counts)
+    pairs = list(pairs) if pairs is not None else list(itertools.combinations(names, 2))
+    res = {}
+    for a, b in pairs:
+        (k1, n1), (k2, n2) = counts[a], counts[b]
+        res[f"{a}|{b}"] = two_proportion_z(int(k1), int(n1), int(k2), int(n2))
+    return holm_families({"cross_model_pairs": res}, alpha)["cross_model_pairs"]
+
+
 def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> dict[str, Any]:
     """Two-sided pooled two-proportion z-test (statsmodels ``proportions_ztest``) for unpaired
     cross-model contrasts. Returns {"p1", "p2", "diff", "z", "p"}."""
@@ -259,15 +321,27 @@ def success_criterion(retention_contrast: Mapping[str, Any], tool_contrast: Mapp
             "alpha": alpha, "reason": "; ".join(why) or "retention up, no significant tool drop"}
 
 
+RANKING_RULE = ("an ordering of the models holds only if the FULL ordering is the same pooled and under "
+                "every formulation (the paper's rule)")
+PAIRWISE_NOTE = ("pairwise readings: one model pair at a time, ordered the same pooled and under every "
+                 "formulation; a weaker reading than the paper's rule, reported beside it")
+
+
 def ranking_stability(per_formulation_values: Mapping[str, Mapping[str, float]],
-                      pooled_values: Mapping[str, float]) -> dict[str, Any]:
-    """Which orderings between models hold pooled AND under every formulation.
+                      pooled_values: Mapping[str, float], reference_only: Sequence[str] = (),
+                      reference: str = "reference") -> dict[str, Any]:
+    """Ranking stability of models (the paper's rule: the full ordering pooled and under every
+    formulation).
 
     ``per_formulation_values``: {formulation: {model: value}}; ``pooled_values``: {model: value}.
-    Returns ``orders`` (ascending model order per scope, as the release lists them), ``pairs``
-    (one entry per model pair: the pooled order "a<b", and whether every formulation agrees),
-    ``stable_pairs`` and ``full_order_stable`` (the complete ordering is the same everywhere)."""
-    models = [m for m in pooled_values if pooled_values[m] is not None]
+    Models in ``reference_only`` (the base model, which the paper reports on the Reference
+    formulation only) are left out of the pooled and paraphrase orderings and compared in
+    ``reference_order`` (all models, ``reference`` formulation). Returns ``rule``, ``orders``
+    (ascending model order per scope, as the release lists them), ``full_order_stable`` (the
+    paper's verdict), ``reference_order``, and, labelled as a different reading, ``pairs`` /
+    ``stable_pairs`` (``pairwise_note``)."""
+    ro = set(reference_only)
+    models = [m for m in pooled_values if pooled_values[m] is not None and m not in ro]
     scopes = {"pooled": dict(pooled_values), **{f: dict(v) for f, v in per_formulation_values.items()}}
     orders = {s: sorted([m for m in models if vals.get(m) is not None], key=lambda m: vals[m])
               for s, vals in scopes.items()}
@@ -283,9 +357,12 @@ def ranking_stability(per_formulation_values: Mapping[str, Mapping[str, float]],
         pairs.append({"pair": [a, b], "pooled_order": f"{lo}<{hi}",
                       "holds_in": holds, "stable": len(holds) == len(per_formulation_values)})
     full = all(o == orders["pooled"] for o in orders.values())
-    return {"orders": orders, "pairs": pairs,
-            "stable_pairs": [p["pooled_order"] for p in pairs if p["stable"]],
-            "full_order_stable": bool(full)}
+    ref_vals = per_formulation_values.get(reference, {})
+    ref_order = sorted([m for m in ref_vals if ref_vals.get(m) is not None], key=lambda m: ref_vals[m])
+    return {"rule": RANKING_RULE, "orders": orders, "full_order_stable": bool(full),
+            "reference_order": ref_order, "reference_only": sorted(ro),
+            "pairwise_note": PAIRWISE_NOTE, "pairs": pairs,
+            "stable_pairs": [p["pooled_order"] for p in pairs if p["stable"]]}
 
 
 def run_benchmark(n_questions: int = 542, n_boot: int = DEFAULT_N_BOOT, n_perm: int = DEFAULT_N_PERM,

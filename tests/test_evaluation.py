@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from memtoc import evaluation as ev
-from memtoc import metrics
+from memtoc import metrics, stats
 from memtoc.benchmark import load_benchmark, select_questions
 from memtoc.episodes import build_episodes, run_episodes
 from memtoc.config import DEFAULTS, FORMULATIONS
@@ -183,16 +183,44 @@ def test_prompting_success_and_holm(run):
     d = df.copy()
     m = (d["arm"] == "prior") & (d["condition"] == "tool_wrong") & (d["cell"] == "arb")
     d.loc[m, "outcome"] = "kept_memory"
-    sec = ev.add_success(ev.arm_comparison(d, ev.PROMPTING_ARMS, ("retention", "tool_follow"), "prompting",
-                                           n_boot=300, n_perm=2000), 0.05)
+    sec = ev.arm_comparison(d, ev.PROMPTING_ARMS, ("retention", "tool_follow"), "prompting",
+                            n_boot=300, n_perm=2000)
+    models = {"fake": {"prompting": sec}}
+    ev.apply_families(models, 0.05)
     assert set(sec) >= {"warn", "prior", "flag", "untreated"}
     c = sec["prior"]["contrasts"]["retention"]
-    assert c["delta"] > 0 and c["p_holm"] >= c["p"]
+    assert c["delta"] > 0 and c["p_holm"] >= c["p"] and c["family"] == "prompting_retention"
     assert sec["prior"]["pooled"]["retention"]["value"] == 1.0
     n_arb_extra = int(m.sum())
     if n_arb_extra >= 8 and sec["untreated"]["pooled"]["retention"]["value"] < 0.5:
         assert sec["prior"]["success"]["passed"] is True
     assert sec["warn"]["success"]["passed"] in (True, False)
+
+
+def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
+    """Issue 12 item 6: prompting retention is one Holm family over models x strategies (not one
+    per model); frames compute retention and form models x frames; far forms one family over
+    models; correct-tool following and the other diagnostics stay uncorrected; the summary lists
+    the families."""
+    P, eps, mem, gen, rd, df = run
+    d2 = df.copy()
+    m = (d2["arm"] == "warn") & (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
+    d2.loc[m, "outcome"] = "kept_memory"
+    d2["model"] = "fake2"
+    s = ev.evaluation_summary({"fake": df, "fake2": d2}, None, dict(P, n_boot=100, n_perm=400))
+    fam = s["holm_families"]["prompting_retention"]
+    assert fam["axes"] == ["model", "strategy"] and len(fam["members"]) == 6
+    raw = {f"{mod}|{a}": s["models"][mod]["prompting"][a]["contrasts"]["retention"]["p"]
+           for mod in ("fake", "fake2") for a in ev.PROMPTING_ARMS}
+    expect = stats.holm(raw)
+    for k, v in fam["members"].items():
+        mod, a = k.split("|")
+        assert v == pytest.approx(expect[k])
+        assert s["models"][mod]["prompting"][a]["contrasts"]["retention"]["p_holm"] == pytest.approx(expect[k])
+        assert s["models"][mod]["prompting"][a]["contrasts"]["tool_follow"]["p_holm"] is None
+    assert len(s["holm_families"]["far_retention"]["members"]) == 2
+    assert len(s["holm_families"]["frames_retention"]["members"]) == 4
+    assert "retention" in s["models"]["fake"]["frames"]["passage"]["contrasts"]
 
 
 def test_far_frames_payloads_noop_sections(run):

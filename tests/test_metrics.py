@@ -160,7 +160,7 @@ def test_summarize_nan_becomes_none_and_missing_formulation_is_skipped():
     df = metrics.synthetic_arm(60, seed=2)
     df = df[~((df.formulation == "paraphrase_b") & (df.condition == "tool_error"))]
     out = summarize(df, by=("formulation",), n_boot=200)
-    assert out["paraphrase_b"]["err_abstain"] == {"value": None, "ci95": [None, None], "n": 0}
+    assert out["paraphrase_b"]["err_abstain"] == {"value": None, "ci95": [None, None], "n": 0, "n_boot_used": 0}
     vals = [out[f]["err_abstain"]["value"] for f in ("reference", "paraphrase_a")]
     assert out["pooled"]["err_abstain"]["value"] == pytest.approx(np.mean(vals))
     assert out["pooled"]["err_abstain"]["n_formulations"] == 2
@@ -257,7 +257,7 @@ def test_anchor_keep_flag_minus_keep_strict_is_both_in_arb():
 
 
 # ------------------------------------------------------------------------------------------ support
-def test_common_support_and_paired_units():
+def test_common_support():
     a = small_arm()
     b = small_arm()
     b = b[b.qkey != "q2"].copy()
@@ -266,23 +266,24 @@ def test_common_support_and_paired_units():
     assert set(ca.qkey) == set(cb.qkey) == set(a.qkey) - {"q2"}
     ca, cb = common_support(a, b, condition="tool_wrong", cell="arb")
     assert sorted(ca.qkey) == sorted(cb.qkey) == ["q1", "q3", "q4"]
-    units, extra = metrics.paired_units(b, a, "retention")
-    assert len(units) == 3 and extra == {"n_treated_only": 0, "n_untreated_only": 1}
-    assert units["treated"].sum() == 2 and units["untreated"].sum() == 1
-    res = metrics.paired_metric_contrast(b, a, "retention", n_boot=200, n_perm=500)
-    assert res["delta"] == pytest.approx(1 / 3) and res["n_units"] == 3 and res["n_untreated_only"] == 1
-    with pytest.raises(DataError, match="unknown metric"):
-        metrics.paired_units(a, b, "retentoin")
 
 
-def test_q_minus_rule_drops_gold_echoed_by_the_question():
-    df = small_arm()
-    df["gold"] = ["Stanley Park" if q == "q3" else "Thomas Mawson" for q in df.qkey]
-    df["question"] = ["Stanley Park, who designed it?" if q == "q3" else "Who designed Stanley Park?"
-                      for q in df.qkey]
-    dq = metrics.drop_gold_in_question(df)
-    assert set(dq.qkey) == set(df.qkey) - {"q3"}
-    m = arm_metrics(dq)
-    assert m["n_arb"] == 3 and m["retention"] == pytest.approx(1 / 3)
-    with pytest.raises(DataError, match="question"):
-        metrics.drop_gold_in_question(small_arm())
+# ------------------------------------------------------------------------------------------ small cells
+def test_pooled_interval_reports_the_replicates_it_used_when_a_cell_is_small():
+    """Issue 12 item 10: 30 questions; paraphrase_b's arb cell holds 1 of them, so most bootstrap
+    replicates draw no question of it and its rate (and the pooled mean) is undefined there. The
+    pooled interval must say how many replicates it rests on instead of dropping them silently."""
+    rows = []
+    for i in range(30):
+        for form in ("reference", "paraphrase_a"):
+            rows.append(ep(f"q{i:02d}", "tool_wrong", "arb", "kept_memory" if i % 3 == 0 else "followed_tool",
+                           formulation=form))
+        rows.append(ep(f"q{i:02d}", "tool_wrong", "arb" if i == 0 else "both_wrong",
+                       "kept_memory" if i == 0 else "followed_tool", formulation="paraphrase_b"))
+    out = summarize(pd.DataFrame(rows), by=("formulation",), n_boot=2000, seed=0)
+    pooled, small = out["pooled"]["retention"], out["paraphrase_b"]["retention"]
+    # P(a replicate misses the one question) = (29/30)^30 ~ 0.36: about 1,270 of 2,000 are defined
+    assert 1100 < pooled["n_boot_used"] < 1450
+    assert small["n_boot_used"] == pooled["n_boot_used"]
+    assert out["reference"]["retention"]["n_boot_used"] == 2000
+    assert pooled["value"] == pytest.approx((10 / 30 + 10 / 30 + 1.0) / 3)

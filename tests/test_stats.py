@@ -57,14 +57,6 @@ def test_cluster_bootstrap_widens_with_within_cluster_correlation():
     assert clustered["n_clusters"] == 150 and clustered["n"] == 600
 
 
-def test_episode_bootstrap_reproduces_the_release_procedure():
-    import random
-    v = [1.0] * 15 + [0.0] * 147
-    r = random.Random(0)
-    means = sorted(sum(v[r.randrange(162)] for _ in range(162)) / 162 for _ in range(1000))
-    assert stats.episode_bootstrap_ci(v) == [round(means[25], 4), round(means[975], 4)]
-
-
 # ------------------------------------------------------------------------------------------ paired
 def _exact_signflip_p(d):
     obs = abs(d.mean())
@@ -86,6 +78,39 @@ def test_paired_contrast_delta_and_pvalue_against_exact_and_scipy():
     assert res["p_signflip"] == pytest.approx(exact, abs=0.01)
 
 
+def _release_paired_block(csum, cnt, n_boot=1000, n_perm=10000, seed=0):
+    """scripts/build_paired_treatment_summary.py:paired_block of the release, transcribed."""
+    n_units = int(cnt.sum())
+    delta = float(csum.sum()) / n_units
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(csum), size=(n_boot, len(csum)))
+    boots = np.sort(csum[idx].sum(axis=1) / cnt[idx].sum(axis=1))
+    ci = [float(boots[int(0.025 * n_boot)]), float(boots[min(n_boot - 1, int(0.975 * n_boot))])]
+    signs = rng.integers(0, 2, size=(n_perm, len(csum))) * 2 - 1
+    perm = (signs @ csum) / n_units
+    return delta, ci, (int((np.abs(perm) >= abs(delta) - 1e-12).sum()) + 1) / (n_perm + 1)
+
+
+def test_signflip_defaults_reproduce_the_release_on_a_release_shaped_example():
+    """A fixed example shaped on the release: Llama-3.1-8B-Instruct DPO retention on the Reference
+    formulation (published_finetuning.json: 159 paired arb units, delta +0.0566 = 9/159, release
+    p 0.090091; the release ships no unit-level data, so the positions of the 16 gains and 7 losses
+    are fixed here). With the defaults (n_boot 1000, n_perm 10000, seed 0) memtoc must give the
+    release's delta, interval and p on these units. The int8 sign draw memtoc used before gave
+    p = 0.0963 where the release procedure gives 0.0943; n_boot 2000 gave another interval."""
+    d = np.zeros(159)
+    d[np.arange(0, 160, 10)] = 1.0
+    d[np.arange(5, 140, 20)] = -1.0
+    t, u = (d == 1).astype(float), (d == -1).astype(float)
+    res = stats.paired_contrast(t, u, np.arange(159))
+    delta, ci, p = _release_paired_block(d, np.ones(159))
+    assert round(res["delta"], 4) == 0.0566 == round(delta, 4)
+    assert res["ci95"] == pytest.approx(ci)
+    assert res["p_signflip"] == p
+    assert round(p, 4) == 0.0943                       # frozen: the release procedure on these units
+    assert stats.DEFAULT_N_BOOT == 1000
+
+
 def test_paired_contrast_protocol_definition_on_clusters():
     """delta = sum of unit diffs / units; CI from default_rng(seed) cluster draws; sign flips on
     cluster sums with the same generator continuing (PROTOCOL §6.3)."""
@@ -102,7 +127,7 @@ def test_paired_contrast_protocol_definition_on_clusters():
     reps = np.sort(S[idx].sum(1) / C[idx].sum(1))
     assert res["delta"] == pytest.approx(d.sum() / d.size)
     assert res["ci95"] == pytest.approx([reps[25], reps[975]])
-    signs = g.integers(0, 2, size=(3000, 40), dtype=np.int8).astype(float) * 2 - 1
+    signs = g.integers(0, 2, size=(3000, 40)) * 2 - 1          # the release's int64 draw
     perm = signs @ S / d.size
     p = (np.count_nonzero(np.abs(perm) >= abs(res["delta"]) - 1e-12) + 1) / 3001
     assert res["p_signflip"] == pytest.approx(p)
