@@ -234,8 +234,10 @@ def _question_from_row(row: dict, where: str, schema: Optional[dict] = None) -> 
 
 
 def read_question_table(path: Path) -> list[Question]:
-    """Read ``questions_575.jsonl``; malformed rows raise a DataError naming file, line and field."""
+    """Read ``questions_575.jsonl``; malformed rows (and a repeated qkey) raise a DataError naming
+    file, line and field."""
     out = []
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
@@ -247,7 +249,12 @@ def read_question_table(path: Path) -> list[Question]:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            out.append(_question_from_row(row, where))
+            q = _question_from_row(row, where)
+            if q.qkey in seen:
+                raise DataError(f"{where}: qkey {q.qkey!r} repeats line {seen[q.qkey]}; every question of "
+                                "the table needs its own qkey (remove or fix the duplicate)")
+            seen[q.qkey] = lineno
+            out.append(q)
     if not out:
         raise DataError(f"{path}: no questions in the file")
     return out
@@ -460,6 +467,9 @@ def _load_official(root: Path, folds: str = "frozen") -> Benchmark:
             for k, v in ep_fields.get(key, {}).items():
                 row.setdefault(k, v)
         qs.append(_question_from_row(row, where, schema=schemas.get(key) if key else None))
+        first = next((j for j, q in enumerate(qs[:-1]) if q.qkey == qs[-1].qkey), None)
+        if first is not None:
+            raise DataError(f"{where}: qkey {qs[-1].qkey!r} repeats record {first}; every question needs its own qkey")
     qc = _find_one(root, ("analysis_set_lists*.json", "qc_lists*.json"))
     overlay = _find_one(root, ("repair_overlay*.json",))
     if qc is None or overlay is None:

@@ -9,7 +9,9 @@ One file per (model, arm): ``generations/<model_label>/<arm_key>.jsonl``. Each l
 generator looks every request up by key before generating, and appends each finished batch at once
 (write + flush + fsync), so a killed run loses at most the batch in flight and a rerun skips the
 rest. A truncated last line (a kill in the middle of a write) is ignored with a warning when
-reading and cut off before the next append.
+reading and cut off before the next append; a damaged line elsewhere is moved to
+``<file>.rejected`` and dropped (its reply is generated again), the other lines stay. Warnings
+start with "memtoc cache:" so that ``memtoc run`` can repeat them outside the notebook.
 """
 from __future__ import annotations
 
@@ -45,10 +47,25 @@ def request_key(identity: dict, prompt: str | list[dict]) -> str:
     return sha256_text(canonical_json({"identity": identity, "prompt": prompt}))
 
 
-def _scan(path: Path) -> tuple[list[dict], int]:
-    """Parse a cache file. Returns (records, byte offset of the end of the last complete line)."""
+def _check_record(path: Path, lineno: int, r: Any) -> None:
+    """A parsed line must be a record with a string ``key`` and ``text``; else a CacheError naming
+    the file and line (valid JSON of the wrong shape is an edit, not a torn write)."""
+    if not isinstance(r, dict):
+        raise CacheError(f"{path}:{lineno}: a cache line must be a JSON object, got {type(r).__name__}; "
+                         "delete that line to regenerate its reply")
+    for field in ("key", "text"):
+        if not isinstance(r.get(field), str):
+            raise CacheError(f"{path}:{lineno}: cache record has no {field!r} (a string) — "
+                             f"got {r.get(field)!r}; the file was edited or written by another tool. "
+                             "Delete that line to regenerate its reply")
+
+
+def _scan(path: Path) -> tuple[list[dict], int, list[tuple[int, bytes]]]:
+    """Parse a cache file. Returns (records, byte offset of the end of the last complete line,
+    damaged lines [(line number, bytes)] that are not the last line)."""
     data = path.read_bytes()
     records: list[dict] = []
+    damaged: list[tuple[int, bytes]] = []
     good_end = 0
     pos = 0
     n = len(data)
@@ -59,41 +76,76 @@ def _scan(path: Path) -> tuple[list[dict], int]:
         if nl == -1:  # no newline: the last write was cut off
             tail = data[pos:]
             try:
-                records.append(json.loads(tail))  # complete JSON, just missing its newline
-                good_end = n
-                warnings.warn(f"{path}: last line has no newline; kept it (it parses)", stacklevel=3)
+                r = json.loads(tail)  # complete JSON, just missing its newline
             except ValueError:
-                warnings.warn(f"{path}: ignoring a truncated last line ({len(tail)} bytes; "
+                warnings.warn(f"memtoc cache: {path}: ignoring a truncated last line ({len(tail)} bytes; "
                               "a run was killed while writing); it is removed on the next append",
                               stacklevel=3)
+                break
+            _check_record(path, lineno, r)
+            records.append(r)
+            good_end = n
+            warnings.warn(f"memtoc cache: {path}: last line has no newline; kept it (it parses)", stacklevel=3)
             break
         line = data[pos:nl].strip()
         if line:
             try:
-                records.append(json.loads(line))
-            except ValueError as e:
+                r = json.loads(line)
+            except ValueError:
                 if data[nl + 1:].strip():
-                    raise CacheError(f"{path}: line {lineno} is not valid JSON ({e}) and is not the "
-                                     "last line; the file was edited or corrupted — move it aside to "
-                                     "regenerate those replies") from None
-                warnings.warn(f"{path}: ignoring a truncated last line {lineno}", stacklevel=3)
-                break
+                    damaged.append((lineno, data[pos:nl + 1]))
+                else:
+                    warnings.warn(f"memtoc cache: {path}: ignoring a truncated last line {lineno}", stacklevel=3)
+                    break
+            else:
+                _check_record(path, lineno, r)
+                records.append(r)
         pos = nl + 1
         good_end = pos
-    return records, good_end
+    return records, good_end, damaged
+
+
+def rejected_path(path: Path) -> Path:
+    return path.with_name(path.name + ".rejected")
+
+
+def _drop_damaged(path: Path, damaged: list[tuple[int, bytes]]) -> None:
+    """Move damaged lines to ``<file>.rejected`` (appended) and rewrite the file without them
+    (atomically: temp file + rename). The other lines stay; only the damaged replies regenerate."""
+    bad = {ln for ln, _ in damaged}
+    lines = path.read_bytes().split(b"\n")
+    keep = b"\n".join(x for i, x in enumerate(lines, 1) if i not in bad)
+    rej = rejected_path(path)
+    with open(rej, "ab") as f:
+        f.write(b"".join(raw if raw.endswith(b"\n") else raw + b"\n" for _, raw in damaged))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    warnings.warn(f"memtoc cache: {path}: dropped {len(damaged)} damaged line(s) (line "
+                  + ", ".join(str(ln) for ln, _ in damaged[:5]) + (" …" if len(damaged) > 5 else "")
+                  + f"; not valid JSON) into {rej.name}; their replies are generated again", stacklevel=3)
 
 
 def read_cache(path: str | os.PathLike) -> dict[str, dict]:
-    """All complete records of a cache file by key (later lines win). Missing file: empty dict."""
+    """All complete records of a cache file by key (later lines win). Missing file: empty dict.
+
+    A damaged line in the middle (not valid JSON) is moved to ``<file>.rejected`` and dropped from
+    the file with a warning; a record of the wrong shape (no ``key`` or ``text``) is a CacheError."""
     path = Path(path)
     if not path.exists():
         return {}
-    records, _ = _scan(path)
-    out: dict[str, dict] = {}
-    for r in records:
-        if isinstance(r, dict) and "key" in r:
-            out[r["key"]] = r
-    return out
+    records, _, damaged = _scan(path)
+    if damaged:
+        _drop_damaged(path, damaged)
+    return {r["key"]: r for r in records}
 
 
 def append_records(path: str | os.PathLike, records: Iterable[dict]) -> None:
@@ -162,6 +214,6 @@ def sibling_lookup(path: str | os.PathLike) -> dict[str, dict]:
         try:
             out.update(read_cache(p))
         except CacheError as e:
-            warnings.warn(f"skipping unreadable sibling cache: {e}", stacklevel=2)
+            warnings.warn(f"memtoc cache: skipping unreadable sibling cache: {e}", stacklevel=2)
     out.update(read_cache(path))
     return out

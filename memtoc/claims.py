@@ -404,6 +404,32 @@ def resolve(run_dir: str | Path, registry: str | Path | dict | None = None) -> l
     return resolve_all(run_dir, registry)[0]
 
 
+# What a run's report rests on besides the claim files: everything the run wrote, except the report
+# itself, the executed notebooks, the run's bookkeeping and transient files.
+_MANIFEST_SKIP_DIRS = ("paper", "notebooks")
+_MANIFEST_SKIP_FILES = ("config.json", "params.yaml")
+_MANIFEST_SKIP_SUFFIXES = (".tmp", ".rejected")
+_FIGURE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def output_manifest(run_dir: str | Path) -> dict[str, str]:
+    """sha256 of every output file of a run the report rests on (relative path -> hex digest):
+    summaries, scored and generation files, episodes, figures, adapters."""
+    root = Path(run_dir)
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if (not p.is_file() or rel.parts[0] in _MANIFEST_SKIP_DIRS or str(rel) in _MANIFEST_SKIP_FILES
+                or any(part.startswith(".") for part in rel.parts) or p.name.endswith(_MANIFEST_SKIP_SUFFIXES)):
+            continue
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        out[rel.as_posix()] = h.hexdigest()
+    return out
+
+
 def write_claims(run_dir: str | Path, claims: list[Claim], omitted: list[dict] | None = None,
                  registry: str | Path | None = None) -> Path:
     path = Path(run_dir) / "paper" / "claims.json"
@@ -417,6 +443,8 @@ def write_claims(run_dir: str | Path, claims: list[Claim], omitted: list[dict] |
         "n_claims": len(claims),
         "claims": [c.to_dict() for c in claims],
         "omitted": omitted or [],
+        # sha256 of every output the claims rest on; `memtoc verify` fails when one changed or went
+        "inputs": output_manifest(run_dir),
     }
     path.write_text(json.dumps(doc, indent=1, ensure_ascii=False, default=str) + "\n")
     return path
@@ -575,7 +603,62 @@ def verify(run_dir: str | Path, check_report: bool = True,
     if check_report:
         res.rows += _check_report(run_dir, claims)
         res.rows.append(_check_registry(run_dir, claims, registry))
+        res.rows.append(_check_inputs(run_dir, doc))
+        res.rows.append(_check_figures(run_dir, doc))
     return res
+
+
+def _check_inputs(run_dir: Path, doc: dict) -> CheckRow:
+    """Every output recorded in claims.json (``inputs``) still exists with the same sha256."""
+    row = CheckRow(id="report:inputs", status="FAIL", source="paper/claims.json#/inputs")
+    recorded = doc.get("inputs")
+    if not isinstance(recorded, dict) or not recorded:
+        row.detail = "claims.json records no output hashes (built by an older memtoc); rebuild the report"
+        return row
+    now = output_manifest(run_dir)
+    missing = [f for f in recorded if f not in now]
+    changed = [f for f in recorded if f in now and now[f] != recorded[f]]
+    row.printed = f"{len(recorded) - len(missing) - len(changed)}/{len(recorded)}"
+    notes = []
+    if missing:
+        notes.append("missing: " + ", ".join(missing[:5]) + (" …" if len(missing) > 5 else ""))
+    if changed:
+        notes.append("changed since the report was built: " + ", ".join(changed[:5])
+                     + (" …" if len(changed) > 5 else ""))
+    if notes:
+        row.detail = "; ".join(notes) + " (rebuild the report: memtoc run PARAMS --only 08 09)"
+    else:
+        row.status = "PASS"
+    return row
+
+
+def _check_figures(run_dir: Path, doc: dict) -> CheckRow:
+    """Every figure embedded in report.md exists and is one whose hash claims.json recorded."""
+    row = CheckRow(id="report:figures", status="FAIL", source="paper/report.md")
+    path = run_dir / "paper" / "report.md"
+    if not path.is_file():
+        row.detail = "report.md is missing"
+        return row
+    recorded = doc.get("inputs") if isinstance(doc.get("inputs"), dict) else {}
+    bad = []
+    figs = _FIGURE_RE.findall(path.read_text(encoding="utf-8"))
+    for ref in figs:
+        target = (path.parent / ref).resolve()
+        try:
+            rel = target.relative_to(run_dir.resolve()).as_posix()
+        except ValueError:
+            bad.append(f"{ref} (outside the run directory)")
+            continue
+        if not target.is_file():
+            bad.append(f"{ref} (missing)")
+        elif rel not in recorded:
+            bad.append(f"{ref} (no hash recorded)")
+    row.printed = f"{len(figs) - len(bad)}/{len(figs)}"
+    if bad:
+        row.detail = "embedded figures: " + ", ".join(bad[:5])
+    else:
+        row.status = "PASS"
+    return row
 
 
 def _check_registry(run_dir: Path, claims: list[Claim], registry: str | Path | dict | None) -> CheckRow:

@@ -1,8 +1,8 @@
 """`memtoc` command line: thin dispatch to the module that owns each stage.
 
 Each subcommand lives in its stage's module as ``cli(argv: list[str]) -> int`` so that the
-parsing sits next to the code it drives. Errors derived from MemtocError print one clear line
-(no traceback) and exit with status 2.
+parsing sits next to the code it drives. Errors derived from MemtocError, and operating-system
+errors (a full or read-only disk), print one clear line (no traceback) and exit with status 2.
 """
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import sys
 from .config import MemtocError
 
 COMMANDS = {
-    "run": ("memtoc.pipeline", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml"),
+    "run": ("memtoc.pipeline", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml "
+                               "[--only NB] [--set K=V] [--list] [--dry-run]"),
     "benchmark": ("memtoc.benchmark", "print benchmark and episode counts: memtoc benchmark [--release DIR] [--json]"),
     "score": ("memtoc.scoring", "re-score replies offline: memtoc score IN.jsonl [-o OUT] [--matcher paper|strict]"),
     "model": ("memtoc.models", "model registry: memtoc model prepare NAME | memtoc model list"),
     "bench": ("memtoc.bench", "speed benchmarks: memtoc bench generation|stats [--json]"),
     "verify": ("memtoc.claims", "re-derive every claim of a run: memtoc verify RUN_DIR"),
+    "transfer": ("memtoc.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
 }
 
 
@@ -41,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.cli(rest) or 0)
     except MemtocError as e:
         print(f"memtoc {cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a disk that is full or read-only, a path that is a folder: one line too
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"memtoc {cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
 
 

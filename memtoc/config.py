@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -101,6 +102,8 @@ DEFAULTS: dict[str, Any] = {
     "alpha": 0.05,
     # fine-tuning
     "finetune": {"enabled": True},
+    # transfer beyond MemToC (notebook 06; keys and defaults: memtoc.transfer.core.TR_DEFAULTS)
+    "transfer": {"enabled": True},
     # the LLM-judge overlay (PROTOCOL §4b, the "judged" layer; memtoc/judge.py): null = det only.
     # {model: <registry name or local dir>, backend: transformers|vllm|openai, backend_options: {...},
     #  max_new_tokens: 32}
@@ -134,8 +137,21 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
     def fail(field: str, msg: str) -> None:
         raise ConfigError(f"{source}: field {field!r}: {msg}")
 
-    if not isinstance(p["run_name"], str) or not p["run_name"] or "/" in p["run_name"]:
-        fail("run_name", "must be a non-empty name without '/' (the run directory is outputs/<run_name>)")
+    if not is_plain_name(p["run_name"]):
+        fail("run_name", f"must be a plain folder name (letters, digits, '.', '_', '-'; not '.' or '..', no "
+                         f"'/' or '\\'), got {p['run_name']!r}: the run directory is <output_root>/<run_name>")
+    if not isinstance(p["output_root"], str) or not p["output_root"]:
+        fail("output_root", f"must be a folder path, got {p['output_root']!r}")
+    if p["release_dir"] is not None and (not isinstance(p["release_dir"], str) or not p["release_dir"]):
+        fail("release_dir", f"must be a folder path or null (then $MEMTOC_RELEASE), got {p['release_dir']!r}")
+    if p["model_cache_dir"] is not None and (not isinstance(p["model_cache_dir"], str) or not p["model_cache_dir"]):
+        fail("model_cache_dir", f"must be a folder path or null, got {p['model_cache_dir']!r}")
+    for field in ("verify", "elicit_permissive"):
+        if not isinstance(p[field], bool):
+            fail(field, f"must be true or false, got {p[field]!r}")
+    if not isinstance(p["backend_options"], dict):
+        fail("backend_options", f"must be a mapping of backend options (e.g. {{gpu_memory_utilization: 0.85}}), "
+                                f"got {p['backend_options']!r}")
     if not isinstance(p["models"], list) or not p["models"] or not all(isinstance(m, str) for m in p["models"]):
         fail("models", "must be a non-empty list of model names or local HF paths")
     check_choice("backend", p["backend"], ["transformers", "vllm", "openai"])
@@ -145,11 +161,17 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
         check_choices("formulation", p["formulations"], FORMULATIONS)
     except ConfigError as e:
         fail("formulations", str(e))
-    for field in ("n_questions", "n_questions_extra", "max_new_tokens", "n_boot", "n_perm", "seed"):
+    for field, what in (("formulations", "formulation"), ("models", "model"), ("extra_arms", "extra arm")):
+        if isinstance(p[field], list):
+            reps = sorted({str(v) for v in p[field] if p[field].count(v) > 1})
+            if reps:
+                fail(field, f"repeated {what}(s) {reps}: list each {what} once")
+    for field in ("n_questions_extra", "seed"):
         if not isinstance(p[field], int) or isinstance(p[field], bool) or p[field] < 0:
             fail(field, f"must be a non-negative integer, got {p[field]!r}")
-    if p["n_questions"] < 1:
-        fail("n_questions", "must be at least 1")
+    for field in ("n_questions", "max_new_tokens", "n_boot", "n_perm"):
+        if not isinstance(p[field], int) or isinstance(p[field], bool) or p[field] < 1:
+            fail(field, f"must be a positive integer (at least 1), got {p[field]!r}")
     if not (p["batch_size"] == "auto" or (isinstance(p["batch_size"], int) and p["batch_size"] > 0)):
         fail("batch_size", "must be a positive integer or 'auto'")
     check_choice("closed_book_variant", p["closed_book_variant"], ["forced", "permissive"])
@@ -158,13 +180,24 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
     if not isinstance(p["extra_arms"], list):
         fail("extra_arms", "must be a list")
     check_choices("extra arm", p["extra_arms"], DEFAULTS["extra_arms"])
-    if not (0 < float(p["alpha"]) < 1):
-        fail("alpha", "must be in (0, 1)")
+    a = p["alpha"]
+    if not isinstance(a, (int, float)) or isinstance(a, bool) or not (0 < a < 1):
+        fail("alpha", f"must be a number in (0, 1), e.g. 0.05, got {a!r}")
     if not isinstance(p["finetune"], dict):
         fail("finetune", "must be a mapping (see params/finetune.yaml)")
+    if not isinstance(p["transfer"], dict):
+        fail("transfer", "must be a mapping (keys: memtoc.transfer.core.TR_DEFAULTS; see params/default.yaml)")
     if p["judge"] is not None:
         p["judge"] = _check_judge(p["judge"], fail)
     return p
+
+
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+
+
+def is_plain_name(name: Any) -> bool:
+    """A single path component that stays inside its parent: no separators, not ``.``/``..``."""
+    return isinstance(name, str) and bool(_PLAIN_NAME.match(name)) and name not in (".", "..")
 
 
 def _check_judge(j: Any, fail) -> dict[str, Any]:
@@ -201,9 +234,19 @@ def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any]
             raise ConfigError(f"parameter file {path} does not exist; the shipped ones are in params/ "
                               f"({', '.join(sorted(p.name for p in (REPO_ROOT / 'params').glob('*.yaml')))})")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
+                              "parameter file as UTF-8") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the parameter file ({e.strerror})") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the parameter file must be a YAML mapping (key: value lines, see "
+                              f"params/default.yaml), got a {type(raw).__name__}")
     if overrides:
         raw = _merge(raw, overrides)
     return validate_params(raw, source)

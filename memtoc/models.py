@@ -81,6 +81,10 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
               system_turn="template", params_b=9.2, aliases=("gemma",)),
     ModelSpec("mistral-7b-instruct-v0.3", "mistral", "hub", hub_id="mistralai/Mistral-7B-Instruct-v0.3",
               system_turn="template", params_b=7.2, aliases=("mistral",)),
+    # App. F.2's scale point: a public AWQ-int4 requantization of Llama-3.3-70B-Instruct (the paper
+    # names no repository; any AWQ-int4 copy, or a local directory of one, serves); vLLM, 80 GB GPU
+    ModelSpec("llama-3.3-70b-instruct-awq", "llama70", "hub", hub_id="casperhansen/llama-3.3-70b-instruct-awq",
+              system_turn="template", params_b=70.6, aliases=("llama70",)),
 ]}
 
 
@@ -346,16 +350,22 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     else:
         spec = get_model(name)
     cache_dir = opts.pop("model_cache_dir", None)
+    if backend in ("transformers", "vllm"):  # weights load on the first cache miss (backends.base)
+        from .backends.base import LazyGenerator, load_signature
+        path = prepare_model(name, cache_dir=cache_dir)
+        sig = load_signature(backend, spec.name, weights_hash(path, cache_dir),
+                             adapter_hash(adapter) if adapter is not None else None, path=str(path),
+                             batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens, options=opts)
     if backend == "transformers":
         from .backends.hf import TransformersGenerator
-        path = prepare_model(name, cache_dir=cache_dir)
-        return TransformersGenerator(spec, path, adapter=adapter, batch_size=batch_size, dtype=dtype,
-                                     max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts)
+        return LazyGenerator(lambda: TransformersGenerator(
+            spec, path, adapter=adapter, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
+            cache_dir=cache_dir, **opts), sig, model_cache_root(cache_dir) / "_identities", backend)
     if backend == "vllm":
         from .backends.vllm import VLLMGenerator
-        path = prepare_model(name, cache_dir=cache_dir)
-        return VLLMGenerator(spec, path, adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens,
-                             cache_dir=cache_dir, **opts)
+        return LazyGenerator(lambda: VLLMGenerator(spec, path, adapter=adapter, dtype=dtype,
+                                                   max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts),
+                             sig, model_cache_root(cache_dir) / "_identities", backend)
     from .backends.openai import OpenAIGenerator
     opts.pop("model_cache_dir", None)
     return OpenAIGenerator(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)

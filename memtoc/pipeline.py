@@ -26,6 +26,7 @@ Nothing here deletes anything under the run directory: the generation cache
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import hashlib
 import json
@@ -42,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from . import finetune, models, progress, runlock
+from .benchmark import load_benchmark
 from .config import REPO_ROOT, ConfigError, MemtocError, load_params, resolve_release_dir, run_dir
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -151,6 +154,7 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
             wanted.update(hit)
     steps: list[Step] = []
     finetune_on = bool((params.get("finetune") or {}).get("enabled", True))
+    transfer_on = bool((params.get("transfer") or {}).get("enabled", True))
     for n in numbers:
         if wanted is not None and n not in wanted:
             continue
@@ -159,6 +163,8 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
             steps.append(Step(n, n, None, False, "no notebook for this stage in notebooks/ yet"))
         elif n == "04" and not finetune_on:
             steps.append(Step(n, p.stem, p, False, "finetune.enabled is false"))
+        elif n == "06" and not transfer_on:
+            steps.append(Step(n, p.stem, p, False, "transfer.enabled is false"))
         else:
             steps.append(Step(n, p.stem, p, True))
     return steps
@@ -210,9 +216,11 @@ def release_hashes(release_dir: Path) -> dict[str, str]:
 def provenance(params: dict[str, Any]) -> dict[str, Any]:
     try:
         rel = resolve_release_dir(params.get("release_dir"))
-        rel_info: dict[str, Any] = {"path": str(rel), "sha256": release_hashes(rel)}
+        files = release_hashes(rel)
+        rel_info: dict[str, Any] = {"path": str(rel), "sha256": files,
+                                    "digest": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
     except MemtocError as e:  # the construction notebook reports this properly; record it here
-        rel_info = {"path": None, "error": str(e)}
+        rel_info = {"path": None, "error": str(e), "digest": None}
     return {
         "git": git_info(),
         "packages": package_versions(),
@@ -224,6 +232,7 @@ def provenance(params: dict[str, Any]) -> dict[str, Any]:
         "hostname_hash": hashlib.sha256(platform.node().encode()).hexdigest()[:12],
         "release": rel_info,
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "cwd": os.getcwd(),
     }
 
 
@@ -232,9 +241,117 @@ def _now() -> str:
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """Atomic write (temp file + rename); the temp file never outlives a failed write."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------------
+# resolution and validation before anything runs
+
+
+def resolve_paths(params: dict[str, Any], cwd: Path | None = None) -> dict[str, Any]:
+    """``release_dir`` (or ``$MEMTOC_RELEASE``) resolved once, against the working directory of the
+    ``memtoc`` invocation, to an absolute path: the notebooks receive that path and never resolve
+    it again (they run with the repository root as working directory)."""
+    p = copy.deepcopy(params)
+    given = p.get("release_dir") or os.environ.get("MEMTOC_RELEASE") or None
+    if given:
+        path = Path(given).expanduser()
+        if not path.is_absolute():
+            path = (cwd or Path.cwd()) / path
+        p["release_dir"] = str(resolve_release_dir(path))
+    else:
+        p["release_dir"] = str(resolve_release_dir(None))
+    return p
+
+
+def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>") -> dict[str, Any]:
+    """Checks that need the registry or the data, done before the first notebook starts: model
+    names, the ``finetune`` block (through ``finetune.finetune_params``, the one schema of its keys)
+    and the question counts against the analysis set. Returns facts for the plan."""
+    for m in params["models"]:
+        if params["backend"] != "openai":
+            try:
+                models.get_model(m)
+            except models.ModelError as e:
+                raise ConfigError(f"{source}: field 'models': {e}") from None
+    j = params.get("judge")
+    if j and j["backend"] != "openai":
+        try:
+            models.get_model(j["model"])
+        except models.ModelError as e:
+            raise ConfigError(f"{source}: field 'judge.model': {e}") from None
+    ft = finetune.finetune_params(params, source)
+    bench = load_benchmark(params.get("release_dir"))
+    n = len(bench.analysis)
+    for field in ("n_questions", "n_questions_extra"):
+        if params[field] > n:
+            raise ConfigError(f"{source}: field {field!r}: {params[field]} is more than the {n} questions of "
+                              f"the analysis set; use at most {n}")
+    return {"bench": bench, "n_analysis": n, "finetune": ft}
+
+
+# Parameters that cannot change a result (where files go, how fast, whether 09 raises). batch_size
+# is here because the cache key ignores it: a reply must not depend on its batch (issue 13 item 1).
+NON_RESULT_KEYS: tuple[str, ...] = ("run_name", "output_root", "release_dir", "model_cache_dir",
+                                    "batch_size", "verify")
+# The result parameters each stage reads (cumulative); stages not listed read all of them.
+_S01 = ("release", "seed", "formulations", "n_questions", "n_questions_extra", "extra_arms")
+_S02 = _S01 + ("models", "backend", "backend_options", "dtype", "max_new_tokens", "matcher",
+               "closed_book_variant", "elicit_permissive", "alpha")
+STAGE_KEYS: dict[str, tuple[str, ...]] = {"01": _S01, "02": _S02, "03": _S02 + ("n_boot", "n_perm", "judge")}
+
+
+def stage_params(params: dict[str, Any], number: str, release_digest: str | None) -> dict[str, Any]:
+    """The parameters stage ``number`` computes its outputs from (``release`` = the data's digest)."""
+    every = {k: v for k, v in params.items() if k not in NON_RESULT_KEYS}
+    every["release"] = release_digest
+    keys = STAGE_KEYS.get(number)
+    return _jsonable({k: every[k] for k in (keys or sorted(every)) if k in every})
+
+
+def params_sha256(d: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(_jsonable(d), sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, Any],
+                 release_digest: str | None) -> list[str]:
+    """One message per earlier stage, not run now, whose recorded outputs were computed with other
+    parameters than the ones a stage of this run would compute with."""
+    running = {s.number for s in steps if s.run}
+    out = []
+    for name, rec in sorted(stages.items()):
+        num = str(rec.get("number") or name[:2])
+        if num in running or not any(r > num for r in running):
+            continue  # rebuilt by this run, or read by no stage of it
+        now = stage_params(params, num, release_digest)
+        if rec.get("params_sha256") == params_sha256(now):
+            continue
+        was = rec.get("params") or {}
+        diff = [f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
+                if was.get(k) != now.get(k)]
+        out.append(f"{name} (outputs of {rec.get('finished', '?')}) was computed with other parameters ("
+                   + "; ".join(diff[:4]) + (" …" if len(diff) > 4 else "") + ")")
+    return out
+
+
+def effective_status(run_dir_: Path, cfg: dict[str, Any] | None = None) -> str | None:
+    """config.json's status, except that a "running" run whose lock nobody holds is "interrupted"."""
+    if cfg is None:
+        try:
+            cfg = json.loads((Path(run_dir_) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    st = cfg.get("status")
+    if st == "running" and not runlock.is_held(Path(run_dir_)):
+        return "interrupted"
+    return st
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,9 +361,10 @@ def _write_json(path: Path, obj: Any) -> None:
 def _execute(src: Path, dst: Path, params_file: Path, log_output: bool) -> None:
     import papermill as pm  # imported lazily: `memtoc run --list` stays fast
 
+    # --log-level=ERROR: the kernel's "running over TCP without encryption" warning, once per notebook
     pm.execute_notebook(str(src), str(dst), parameters={"params_file": str(params_file)},
                         cwd=str(REPO_ROOT), progress_bar=False, log_output=log_output,
-                        kernel_name="python3")
+                        kernel_name="python3", extra_arguments=["--log-level=ERROR"])
 
 
 def _error_summary(exc: BaseException) -> str:
@@ -257,55 +375,132 @@ def _error_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def notebook_notices(executed: Path, marker: str = "memtoc cache:") -> list[str]:
+    """Lines of the executed notebook's stderr that carry ``marker`` (the cache's repair warnings),
+    so that ``memtoc run`` shows them too, not only the notebook."""
+    try:
+        nb = json.loads(executed.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    out = []
+    for cell in nb.get("cells", []):
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "stream" and o.get("name") == "stderr":
+                text = "".join(o.get("text", []))
+                out += [ln.strip() for ln in text.splitlines() if marker in ln]
+    return list(dict.fromkeys(out))
+
+
 def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool = False,
-        notebook_dir: Path = NOTEBOOK_DIR, executor=None, echo=None) -> dict[str, Any]:
+        notebook_dir: Path = NOTEBOOK_DIR, executor=None, echo=None, source: str = "<params>") -> dict[str, Any]:
     """Execute a run; returns the config dict written to ``<run_dir>/config.json``.
 
     ``executor(src, dst, params_file, log_output)`` defaults to papermill (tests may inject one).
-    Raises PipelineError naming the failed notebook and its executed copy.
+    Everything is validated before the first notebook starts; the run directory is locked for the
+    duration (a second run on it stops with an error naming the holder). Raises PipelineError
+    naming the failed notebook and its executed copy.
     """
     executor = executor or _execute
     echo = echo or (lambda msg: print(msg, flush=True))
-    rd = run_dir(params)
+    params = resolve_paths(params)
     steps = plan(params, only, notebook_dir)
+    preflight(params, steps, source)
+    rd = run_dir(params)
+    try:
+        rd.mkdir(parents=True, exist_ok=True)
+        lock = runlock.RunLock(rd, warn=echo)
+        lock.acquire()
+    except OSError as e:
+        raise PipelineError(f"cannot create or lock the run directory {rd}: {e.strerror or e}; choose a "
+                            "writable output_root (e.g. --set output_root=/tmp/memtoc-out)") from None
+    cfg_path = rd / "config.json"
+    cfg: dict[str, Any] = {}
+    try:
+        return _run_locked(params, only, log_output, steps, rd, cfg, executor, echo, lock)
+    except OSError as e:
+        # no space left, a folder made read-only mid-run...: record it if we still can, one line out
+        if cfg.get("status") == "running":
+            cfg.update(status="failed", finished=_now(), error=f"{type(e).__name__}: {e}")
+            for entry in cfg.get("notebooks", []):
+                if entry.get("status") == "running":
+                    entry.update(status="failed", finished=_now())
+            try:
+                _write_json(cfg_path, cfg)
+            except OSError:
+                pass
+        raise PipelineError(f"cannot write under {rd}: {e.strerror or e}"
+                            + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+                            + "; free some space or choose another output_root, then rerun the same "
+                            "command to resume") from None
+    finally:
+        lock.release()
+
+
+def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
+    cfg_path = rd / "config.json"
+    old: dict[str, Any] = {}
+    if cfg_path.is_file():
+        try:
+            old = json.loads(cfg_path.read_text())
+        except (OSError, ValueError):
+            old = {}
+    prov = provenance(params)
+    digest = prov["release"].get("digest")
+    stages: dict[str, Any] = dict(old.get("stages") or {})
+    stale = stale_inputs(steps, stages, params, digest)
+    if stale:
+        raise PipelineError(
+            "this run would mix outputs computed with different parameters: " + " | ".join(stale)
+            + f". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
+            "or use another run_name")
     (rd / "notebooks").mkdir(parents=True, exist_ok=True)
     params_file = rd / "params.yaml"
-    params_file.write_text(
-        "# Resolved parameters of this run, written by `memtoc run`; every notebook reads this file.\n"
-        + yaml.safe_dump(_jsonable(params), sort_keys=False, allow_unicode=True))
+    tmp = params_file.with_suffix(".yaml.tmp")
+    try:
+        tmp.write_text(
+            "# Resolved parameters of this run, written by `memtoc run`; every notebook reads this file.\n"
+            + yaml.safe_dump(_jsonable(params), sort_keys=False, allow_unicode=True))
+        os.replace(tmp, params_file)
+    finally:
+        tmp.unlink(missing_ok=True)
 
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-    cfg: dict[str, Any] = {
+    cfg.update({
         "run_name": params["run_name"],
         "run_dir": str(rd),
         "params_file": str(params_file),
         "params": params,
         "only": only,
-        "provenance": provenance(params),
+        "provenance": prov,
         "started": _now(),
         "finished": None,
         "status": "running",
+        "pid": os.getpid(),
+        "host": platform.node(),
         "notebooks": [],
-    }
+        # per stage: the parameters its current outputs were computed from (carried over between
+        # invocations); `memtoc run` refuses to run a stage on inputs made with other parameters
+        "stages": stages,
+    })
     # keep the history of earlier invocations of the same run (resumes, --only reruns)
-    cfg_path = rd / "config.json"
-    if cfg_path.is_file():
-        try:
-            old = json.loads(cfg_path.read_text())
-            hist = old.pop("history", [])
-            cfg["history"] = (hist + [{k: old.get(k) for k in ("started", "finished", "status", "only", "notebooks")}])[-20:]
-        except (OSError, ValueError):
-            pass
+    if old:
+        hist = old.pop("history", [])
+        entry = {k: old.get(k) for k in ("started", "finished", "status", "only", "notebooks")}
+        if entry["status"] == "running":   # we hold the lock: that run died without saying so
+            entry["status"] = "interrupted"
+        cfg["history"] = (hist + [entry])[-20:]
     _write_json(cfg_path, cfg)
 
     to_run = [s for s in steps if s.run]
     echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
     t_run = time.perf_counter()
     k = 0
+    progress_file = rd / progress.PROGRESS_NAME
+    os.environ[progress.ENV] = str(progress_file)
     for s in steps:
         entry: dict[str, Any] = {"notebook": s.name, "source": str(s.path) if s.path else None}
         if not s.run:
@@ -319,8 +514,12 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
         entry.update(executed=str(dst), started=_now(), status="running")
         cfg["notebooks"].append(entry)
         _write_json(cfg_path, cfg)
-        echo(f"  [{k}/{len(to_run)}] {s.name} ...")
+        label = f"[{k}/{len(to_run)}] {s.name}"
+        echo(f"  {label} ...")
         t0 = time.perf_counter()
+        progress_file.unlink(missing_ok=True)
+        watcher = progress.Watcher(progress_file, echo, prefix=f"      {label}: ")
+        watcher.start()
         try:
             executor(s.path, dst, params_file, log_output)
         except KeyboardInterrupt:
@@ -329,15 +528,27 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
             _write_json(cfg_path, cfg)
             echo(f"  interrupted during {s.name}; rerun the same command to resume from the cache")
             raise
+        except OSError:
+            raise
         except Exception as e:  # papermill raises PapermillExecutionError; anything else is a failure too
             secs = round(time.perf_counter() - t0, 1)
+            for line in notebook_notices(dst):
+                echo(f"      {line}")
             entry.update(status="failed", seconds=secs, finished=_now(), error=_error_summary(e))
             cfg.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
             _write_json(cfg_path, cfg)
             raise PipelineError(f"notebook {s.name} failed after {secs:.0f} s ({_error_summary(e)}); "
                                 f"see the executed copy {dst}") from None
+        finally:
+            watcher.stop()
+            progress_file.unlink(missing_ok=True)
         secs = round(time.perf_counter() - t0, 1)
+        for line in notebook_notices(dst):
+            echo(f"      {line}")
         entry.update(status="ok", seconds=secs, finished=_now())
+        sp = stage_params(params, s.number, digest)
+        stages[s.name] = {"number": s.number, "params_sha256": params_sha256(sp), "params": sp,
+                          "finished": entry["finished"]}
         _write_json(cfg_path, cfg)
         echo(f"      {s.name} done in {secs:.1f} s")
     cfg.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
@@ -355,15 +566,23 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
                     help="override a parameter (YAML value; dotted keys for mappings), repeatable")
     ap.add_argument("--list", action="store_true", help="print the plan and exit without running")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan with request counts and GPU memory / time estimates; loads no weights")
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     a = ap.parse_args(argv)
     params = load_params(a.params, overrides=parse_set(a.sets))
     if a.list:
         for s in plan(params, a.only):
             print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")
+        st = effective_status(run_dir(params))
+        print(f"run directory {run_dir(params)}: " + (f"last run {st}" if st else "no run yet"))
+        return 0
+    if a.dry_run:
+        from .dryrun import dry_run
+        print(dry_run(params, a.only, source=a.params))
         return 0
     try:
-        run(params, a.only, log_output=a.log_output)
+        run(params, a.only, log_output=a.log_output, source=a.params)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import unicodedata
@@ -469,10 +470,16 @@ def cli(argv: list[str]) -> int:
                          "folding, person-name and year rules)")
     args = ap.parse_args(argv)
 
+    out = Path(args.output) if args.output else None
+    if out is not None and out.is_dir():
+        raise ScoreInputError(f"-o {out}: is a directory; give a file path, e.g. -o {out / 'scored.jsonl'}")
     if args.input == "-":
         text, source = sys.stdin.read(), "<stdin>"
     else:
         path = Path(args.input)
+        if out is not None and out.exists() and path.exists() and out.resolve() == path.resolve():
+            raise ScoreInputError(f"-o {out}: is the input file; scoring in place would overwrite the input "
+                                  "(malformed lines would be lost); write to another file")
         if not path.is_file():
             raise ScoreInputError(f"input file {path} does not exist")
         try:
@@ -480,14 +487,27 @@ def cli(argv: list[str]) -> int:
         except UnicodeDecodeError as e:
             raise ScoreInputError(f"{path}: not UTF-8 text ({e}); memtoc score reads JSONL") from None
         source = str(path)
-    records, errors = score_lines(text.splitlines(), source=source, matcher=args.matcher)
+    # JSONL lines end at "\n" only: str.splitlines() would also split inside replies that contain
+    # U+2028, U+0085 and other Unicode line breaks (json.dumps keeps them unescaped)
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    records, errors = score_lines([ln[:-1] if ln.endswith("\r") else ln for ln in lines], source=source,
+                                  matcher=args.matcher)
     for err in errors:
         print(f"memtoc score: malformed line: {err}", file=sys.stderr)
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(payload, encoding="utf-8")
+    if out is not None:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(out.name + ".tmp")
+            try:
+                tmp.write_text(payload, encoding="utf-8")
+                os.replace(tmp, out)
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as e:
+            raise ScoreInputError(f"-o {out}: cannot write ({e.strerror or e})") from None
     else:
         sys.stdout.write(payload)
     counts = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}

@@ -48,11 +48,27 @@ def test_truncated_last_line_ignored_then_repaired(tmp_path):
         assert set(cache.read_cache(p)) == {"a", "b", "d"}
 
 
-def test_corrupt_middle_line_is_an_error(tmp_path):
+def test_damaged_middle_line_is_dropped_into_rejected_file_others_kept(tmp_path):
     p = tmp_path / "arm.jsonl"
     p.write_text(json.dumps(rec("a")) + "\nnot json\n" + json.dumps(rec("b")) + "\n")
-    with pytest.raises(cache.CacheError, match="line 2"):
+    with pytest.warns(UserWarning, match=r"memtoc cache: .*dropped 1 damaged line\(s\) \(line 2"):
+        got = cache.read_cache(p)
+    assert set(got) == {"a", "b"}                      # the good lines stay (the file is not moved aside)
+    assert cache.rejected_path(p).read_text() == "not json\n"
+    assert [json.loads(x)["key"] for x in p.read_text().splitlines()] == ["a", "b"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # repaired: no warning any more
+        assert set(cache.read_cache(p)) == {"a", "b"}
+
+
+def test_record_without_text_names_file_and_line(tmp_path):
+    p = tmp_path / "arm.jsonl"
+    p.write_text(json.dumps(rec("a")) + "\n" + json.dumps({"key": "b", "prompt_sha256": "p"}) + "\n")
+    with pytest.raises(cache.CacheError, match=rf"{p.name}:2: cache record has no 'text'"):
         cache.read_cache(p)
+    g = CountingGenerator()
+    with pytest.raises(cache.CacheError, match=":2:"):   # not a bare KeyError from the generator
+        g.generate(["x"], cache_path=p)
 
 
 class CountingGenerator(Generator):

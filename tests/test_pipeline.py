@@ -70,7 +70,8 @@ def test_run_writes_config_and_resolved_params(tmp_path):
     assert [s for s, _ in seen] == ["01_a.ipynb", "03_b.ipynb"]
     pf = seen[0][1]
     assert pf == rd / "params.yaml"
-    assert load_params(pf) == P      # the resolved copy reproduces the parameters exactly
+    # the resolved copy reproduces the parameters exactly, with the release folder made absolute
+    assert load_params(pf) == {**P, "release_dir": str(pipeline.resolve_release_dir(None))}
     c = json.loads((rd / "config.json").read_text())
     assert c["status"] == "ok" and c["params"]["run_name"] == "smoke"
     ok = [n for n in c["notebooks"] if n["status"] == "ok"]

@@ -4,16 +4,24 @@ A backend subclasses :class:`Generator` and implements ``_generate_batches(promp
 generator that yields ``(indices, replies)`` per finished batch (indices into ``prompts``). The
 base class turns that into ``generate(prompts, cache_path, desc)``: cached requests are skipped,
 each finished batch is appended to the cache at once.
+
+:class:`LazyGenerator` defers loading the weights to the first cache miss: it knows the generator's
+cache identity from an earlier load with the same settings (recorded per load signature), so a
+rerun whose replies are all cached never loads the model.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .. import cache as _cache
+from .. import progress
+from ..config import MemtocError
 
 
 @dataclass
@@ -93,6 +101,8 @@ class Generator:
             first = [idx[0] for idx in todo.values()]
             sub = [prompts[i] for i in first]
             ident_hash = _cache.identity_hash(self.identity)
+            t0, n_done = time.time(), 0
+            progress.report(desc or "generating", 0, len(sub), t0)
             for sub_idx, replies in self._generate_batches(sub, desc):
                 recs = []
                 for j, r in zip(sub_idx, replies):
@@ -108,6 +118,8 @@ class Generator:
                                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
                 if cache_path is not None:
                     _cache.append_records(cache_path, recs)
+                n_done += len(recs)
+                progress.report(desc or "generating", n_done, len(sub), t0)
         missing = [i for i, r in enumerate(out) if r is None]
         if missing:  # a backend bug, never a user error
             raise RuntimeError(f"backend {self.backend} returned no reply for {len(missing)} prompts")
@@ -115,6 +127,141 @@ class Generator:
 
     def close(self) -> None:
         """Release resources (engines, sessions). Safe to call twice."""
+
+
+class IdentityChangedError(MemtocError):
+    """The loaded generator's identity differs from the one recorded for its load settings."""
+
+
+class LazyGenerator(Generator):
+    """A generator that loads its weights on the first cache miss.
+
+    ``factory()`` builds the real generator; ``signature`` is everything its identity can depend on
+    (model, weights and adapter hashes, load arguments, backend options, versions, device, the
+    source of the backend code); ``store`` is a folder where the identity seen at the last load
+    with that signature is kept (one small JSON file per signature). Without a recorded identity,
+    asking for ``identity`` loads the model. After a load the real identity is recorded; if it
+    differs from the recorded one after cache keys were handed out, IdentityChangedError is raised
+    (those keys are void; a rerun uses the new identity).
+    """
+
+    def __init__(self, factory: Callable[[], Generator], signature: dict[str, Any], store: Optional[Path],
+                 backend: str = "lazy"):
+        self._factory = factory
+        self._real: Optional[Generator] = None
+        self._keys_given = False
+        self.signature = signature
+        self.signature_sha256 = _cache.identity_hash(signature)
+        self._store = Path(store) / f"{self.signature_sha256}.json" if store is not None else None
+        self._recorded = self._read_recorded()
+        self.backend = backend
+
+    def _read_recorded(self) -> Optional[dict]:
+        if self._store is None or not self._store.is_file():
+            return None
+        try:
+            d = json.loads(self._store.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return d.get("identity") if isinstance(d, dict) and d.get("signature") == self.signature else None
+
+    @property
+    def loaded(self) -> bool:
+        return self._real is not None
+
+    @property
+    def identity(self) -> dict[str, Any]:  # type: ignore[override]
+        if self._real is not None:
+            return self._real.identity
+        if self._recorded is not None:
+            return self._recorded
+        return self.load().identity
+
+    def key(self, prompt: str) -> str:
+        if self._real is None:
+            self._keys_given = True
+        return super().key(prompt)
+
+    def load(self) -> Generator:
+        if self._real is not None:
+            return self._real
+        self._real = self._factory()
+        real = self._real.identity
+        if real != self._recorded and self._store is not None:
+            try:
+                self._store.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self._store.with_name(self._store.name + f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"signature": self.signature, "identity": real}, indent=1,
+                                          ensure_ascii=False, default=str))
+                os.replace(tmp, self._store)
+            except OSError:
+                pass  # only a later rerun's laziness depends on it
+        if self._recorded is not None and real != self._recorded and self._keys_given:
+            raise IdentityChangedError(
+                "the loaded model's cache identity differs from the one recorded for the same settings "
+                f"({self._store}); the cache keys computed before loading are void. Rerun the same command.")
+        return self._real
+
+    def generate(self, prompts: list[str], cache_path: str | Path | None = None,
+                 desc: Optional[str] = None) -> list[Reply]:
+        if self._real is None and not (cache_path is not None and self._all_cached(prompts, Path(cache_path))):
+            self.load()
+        return super().generate(prompts, cache_path, desc)
+
+    def _all_cached(self, prompts: list[str], cache_path: Path) -> bool:
+        if self._recorded is None:
+            return False
+        known = _cache.sibling_lookup(cache_path)
+        return all(self.key(p) in known for p in prompts)
+
+    def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
+        return self.load()._generate_batches(prompts, desc)
+
+    _OWN = frozenset({"_factory", "_real", "_keys_given", "signature", "signature_sha256", "_store",
+                      "_recorded", "backend"})
+
+    def __getattr__(self, name: str) -> Any:
+        # anything else (tokenizer, spec, decode_stats...) is the loaded generator's
+        if name.startswith("_") or name in self._OWN:
+            raise AttributeError(name)
+        return getattr(self.load(), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+        else:  # e.g. bench switching decode loops: a setting of the loaded generator
+            setattr(self.load(), name, value)
+
+    def close(self) -> None:
+        if self._real is not None:
+            self._real.close()
+
+
+_SIGNATURE_PACKAGES = ("torch", "transformers", "vllm", "peft", "accelerate")
+
+
+def load_signature(backend: str, model: str, weights_sha256: str, adapter_sha256: Optional[str],
+                   **load_args: Any) -> dict[str, Any]:
+    """Everything a loaded generator's identity can depend on, known without loading it: the model
+    and its hashes, the load arguments, the package versions, the device (CUDA or not) and the
+    source of memtoc's backend code (a changed backend re-records its identity on the next load)."""
+    from importlib import metadata
+
+    import torch
+
+    here = Path(__file__).resolve().parent
+    code = sorted(here.glob("*.py")) + [here.parent / "models.py", here.parent / "cache.py"]
+    versions = {}
+    for name in _SIGNATURE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return json.loads(json.dumps({
+        "backend": backend, "model": model, "weights_sha256": weights_sha256, "adapter_sha256": adapter_sha256,
+        "load_args": load_args, "packages": versions, "cuda": bool(torch.cuda.is_available()),
+        "code_sha256": _cache.sha256_text("".join(p.read_text(encoding="utf-8") for p in code if p.is_file())),
+    }, sort_keys=True, default=str))
 
 
 def _reply_from_record(rec: dict) -> Reply:
