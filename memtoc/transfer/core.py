@@ -1,0 +1,717 @@
+"""Transfer beyond MemToC (paper §5.4, App. F.1): episodes, scoring, metrics, forward and reverse.
+
+Episodes (one per item × formulation × condition; MemToC's wording, ``memtoc.prompts``)
+    The question text is the item's question followed by its options, one a line (``A. text``).
+    ``closed_book``   the forced closed-book prompt (``prompts.closed_book_prompt``): fixes the
+                      memory-right set (items the *untreated* model answers with the world-true key,
+                      per formulation); the paired comparisons of every arm use that set.
+    ``value``         value frame: the schema-frame with-tool prompt, the tool returning
+                      ``{"result": <counterfactual option's text>}`` (schema: :data:`TOOL_SCHEMA`,
+                      written here: the paper does not state its frame prompt wording).
+    ``passage``       passage frame: the passage-frame prompt, the search returning
+                      ``{"result": <counterfactual passage>}``.
+    ``unanswerable``  passage frame with the unanswerable row's passage; target: abstain.
+    Counterfactual items are read on their common support (items in every requested frame's pool).
+
+Metrics (per arm; rates with question-cluster bootstrap intervals, ``evaluation.rate_intervals``;
+adapter − untreated paired on common support, ``evaluation.contrast``): see :data:`METRIC_DOC`.
+
+Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``) against the
+untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
+``FINAL: <world-true option>``, rejected ``FINAL: <counterfactual option>``, on the value- and
+passage-frame prompts; :func:`check_no_memtoc_leak` refuses any MemToC question, gold or
+distractor text), trained with ``finetune.train_adapter`` and evaluated on MemToC with notebook 04's
+paired evaluation (``finetune.eval_episodes``, ``finetune.score_with``, ``finetune.paired_deltas``).
+
+``summaries/transfer.json`` (``schema_version`` 1)::
+
+    /dataset                      {dataset, path, sha256, n_counterfactual, n_unanswerable, plumbing, note}
+    /caveat                       what the numbers are (plumbing set / model size)
+    /config                       resolved transfer parameters
+    /metrics                      {metric: definition}
+    /models/<model>/support       {n_items, n_unanswerable, memory_right: {form: n}}
+    /models/<model>/arms/<arm>/rates/<metric>/<form|pooled>     {value, ci95, n}
+    /models/<model>/forward/<arm>/deltas/<metric>/<form|pooled> contrast object (delta, ci95, p,
+                                  p_holm, n_units, n_clusters, treated, untreated)
+    /models/<model>/forward/<arm>/closed_book_band    {delta, band, inside}
+    /models/<model>/forward/<arm>/unmatched_gap       {frame: {untreated, treated, gap, flagged}}
+    /models/<model>/reverse       {adapter, training, leak_check, n_examples, eval_questions,
+                                   deltas/<metric>/<form|pooled> (finetune delta objects), criterion}
+    /published                    the paper's Table 6 and reverse-transfer numbers (different models
+                                  and data: Llama-3.1-8B / gemma-2-9b on FaithEval × ARC-Challenge)
+    /timing                       seconds per phase
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .. import evaluation, finetune, models, prompts
+from ..benchmark import load_benchmark, select_questions
+from ..config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, resolve_release_dir
+from ..records import Question
+from ..scoring import canon
+from .data import BUILTIN, POOLS, TransferItem, load_items
+from .matcher import ABSTAIN, UNMATCHED_GAP, match_choice
+
+SCHEMA_VERSION = 1
+CONDITIONS = ("closed_book", "value", "passage", "unanswerable")
+FRAMES = ("value", "passage")                      # the two presentation frames (= data.POOLS)
+PROMPT_FRAME = {"value": "schema", "passage": "passage", "unanswerable": "passage"}
+REVERSE_OBJECTIVE = "transfer_dpo"
+CLOSED_BOOK_BAND = 0.03
+
+#: The value frame's tool schema (memtoc's wording; the paper does not print its frame prompts).
+TOOL_SCHEMA: dict[str, Any] = {
+    "name": "lookup_answer",
+    "description": "Answer a multiple-choice question from a reference knowledge base. Returns the text of the correct option.",
+    "parameters": {"type": "object",
+                   "properties": {"question": {"type": "string", "description": "The question, in natural language."}},
+                   "required": ["question"]},
+}
+
+METRIC_DOC = {
+    "closed_book_acc": "closed-book (forced) answer = world-true key, over all counterfactual items",
+    "retention_value": "value frame: answer = world-true key, on the untreated model's memory-right items",
+    "retention_passage": "passage frame: answer = world-true key, on the untreated model's memory-right items",
+    "cf_follow_value": "value frame: answer = counterfactual key, on the memory-right items",
+    "cf_follow_passage": "passage frame: answer = counterfactual key, on the memory-right items",
+    "abstention": "unanswerable items (passage frame): the answer abstains",
+    "unmatched_closed_book": "closed-book replies the multiple-choice matcher maps to no option and no abstention",
+    "unmatched_value": "value-frame replies left unmatched",
+    "unmatched_passage": "passage-frame replies left unmatched",
+}
+METRICS = tuple(METRIC_DOC)
+#: Table 6's columns (Holm family of each forward arm).
+TABLE6_METRICS = ("retention_value", "retention_passage", "abstention")
+
+#: Every key of the ``transfer`` parameter, with its default (params/*.yaml override).
+TR_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "dataset": BUILTIN,                # "builtin" (the plumbing set) or a path to a validated JSONL
+    "n_counterfactual": None,          # first n counterfactual items (None: all)
+    "n_unanswerable": None,            # first n unanswerable items (None: all)
+    "verified_only": False,            # keep only rows with verified: true (the paper's human-verified pools)
+    "formulations": None,              # None: the run's formulations
+    "frames": list(FRAMES),
+    "forward_objectives": ["sft", "dpo"],
+    "forward_folds": [0],              # which of notebook 04's fold adapters to read (any: none saw this set)
+    "adapters_from": None,             # None: this run's adapters/; else another run directory
+    "reverse": True,                   # train and evaluate the reverse-transfer adapter
+    "reverse_max_steps": 2,            # optimizer steps of the reverse DPO (-1: one epoch)
+    "reverse_batch_size": 2,
+    "reverse_train_formulations": ["reference"],
+    "reverse_eval_questions": 8,       # MemToC analysis questions the reverse adapter is scored on
+    "closed_book_band": CLOSED_BOOK_BAND,
+    "unmatched_gap": UNMATCHED_GAP,
+}
+
+
+class TransferError(MemtocError):
+    """The transfer stage cannot run as configured (no items, leaking training data, ...)."""
+
+
+# ==================================================================================================
+# parameters
+
+def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
+    """The resolved ``transfer`` mapping (TR_DEFAULTS overlaid with ``P["transfer"]``), validated."""
+    raw = P.get("transfer") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: field 'transfer' must be a mapping (see params/default.yaml)")
+    unknown = sorted(set(raw) - set(TR_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown transfer key(s) {unknown}; valid keys are: {', '.join(TR_DEFAULTS)}")
+    t = copy.deepcopy(TR_DEFAULTS)
+    t.update(copy.deepcopy(raw))
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{source}: field 'transfer.{key}': {msg}")
+
+    def pos_int_or_none(key: str) -> None:
+        v = t[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            fail(key, f"must be null (all) or a non-negative integer, got {v!r}")
+
+    for key in ("enabled", "verified_only", "reverse"):
+        if not isinstance(t[key], bool):
+            fail(key, f"must be true or false, got {t[key]!r}")
+    if not isinstance(t["dataset"], str) or not t["dataset"]:
+        fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
+    pos_int_or_none("n_counterfactual")
+    pos_int_or_none("n_unanswerable")
+    forms = t["formulations"] if t["formulations"] is not None else list(P.get("formulations") or FORMULATIONS)
+    if isinstance(forms, str):
+        forms = [forms]
+    if not isinstance(forms, list) or not forms or any(f not in FORMULATIONS for f in forms):
+        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
+    t["formulations"] = [f for f in FORMULATIONS if f in forms]
+    if not isinstance(t["frames"], list) or not t["frames"] or any(f not in FRAMES for f in t["frames"]):
+        fail("frames", f"must be a non-empty list drawn from {list(FRAMES)}")
+    t["frames"] = [f for f in FRAMES if f in t["frames"]]
+    objs = t["forward_objectives"]
+    if not isinstance(objs, list) or any(o not in finetune.OBJECTIVES for o in objs):
+        fail("forward_objectives", f"must be a list drawn from {list(finetune.OBJECTIVES)} (empty: no forward arms)")
+    folds = t["forward_folds"]
+    if not isinstance(folds, list) or any(k not in (0, 1) or isinstance(k, bool) for k in folds):
+        fail("forward_folds", "must be a list drawn from [0, 1]")
+    if t["adapters_from"] is not None and not isinstance(t["adapters_from"], str):
+        fail("adapters_from", "must be null (this run) or a run directory")
+    ms = t["reverse_max_steps"]
+    if not isinstance(ms, int) or isinstance(ms, bool) or ms == 0 or ms < -1:
+        fail("reverse_max_steps", f"must be -1 (one epoch) or a positive integer, got {ms!r}")
+    for key in ("reverse_batch_size", "reverse_eval_questions"):
+        v = t[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            fail(key, f"must be a positive integer, got {v!r}")
+    rf = t["reverse_train_formulations"]
+    if isinstance(rf, str):
+        rf = [rf]
+    if not isinstance(rf, list) or not rf or any(f not in FORMULATIONS for f in rf):
+        fail("reverse_train_formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
+    t["reverse_train_formulations"] = [f for f in FORMULATIONS if f in rf]
+    for key in ("closed_book_band", "unmatched_gap"):
+        v = t[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1):
+            fail(key, f"must be a number in [0, 1), got {v!r}")
+    return t
+
+
+def select_items(items: Sequence[TransferItem], tr: dict[str, Any]) -> tuple[list[TransferItem], list[TransferItem]]:
+    """(counterfactual items on the frames' common support, unanswerable items), cut to the sizes."""
+    keep = [i for i in items if i.verified or not tr["verified_only"]]
+    cf = [i for i in keep if i.kind == "counterfactual" and all(f in i.pools for f in tr["frames"])]
+    un = [i for i in keep if i.kind == "unanswerable"]
+    if tr["n_counterfactual"] is not None:
+        cf = cf[:tr["n_counterfactual"]]
+    if tr["n_unanswerable"] is not None:
+        un = un[:tr["n_unanswerable"]]
+    return cf, un
+
+
+# ==================================================================================================
+# episodes (pure)
+
+@dataclass(frozen=True)
+class TransferEpisode:
+    """One transfer prompt. ``condition`` and ``arm_key`` make it servable by
+    ``evaluation.generate_replies`` (cache file ``generations/<label>/transfer_<condition>__<form>.jsonl``)."""
+
+    episode_id: str
+    item_id: str
+    kind: str
+    formulation: str
+    condition: str              # closed_book | value | passage | unanswerable
+    prompt: str
+    labels: tuple[str, ...]
+    texts: tuple[str, ...]
+    gold_key: Optional[str]
+    cf_key: Optional[str]
+
+    @property
+    def arm_key(self) -> str:
+        return f"transfer_{self.condition}__{self.formulation}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def question_text(item: TransferItem) -> str:
+    """The question followed by its options, one a line ("A. text")."""
+    return "\n".join([item.question] + [f"{lab}. {t}" for lab, t in zip(item.labels, item.texts)])
+
+
+def build_episodes(cf_items: Sequence[TransferItem], un_items: Sequence[TransferItem], formulations: Sequence[str],
+                   frames: Sequence[str] = FRAMES, closed_book: bool = True) -> list[TransferEpisode]:
+    """Closed-book + one episode per frame for each counterfactual item, one passage-frame episode
+    per unanswerable item, for each formulation."""
+    out: list[TransferEpisode] = []
+    for form in formulations:
+        check_choice("formulation", form, FORMULATIONS)
+        for it in cf_items:
+            q = question_text(it)
+            conds = (["closed_book"] if closed_book else []) + list(frames)
+            for c in conds:
+                if c == "closed_book":
+                    p = prompts.closed_book_prompt(q, form, "forced")
+                elif c == "value":
+                    p = prompts.with_tool_prompt(q, form, TOOL_SCHEMA, prompts.value_output(it.cf_text), frame="schema")
+                else:
+                    p = prompts.with_tool_prompt(q, form, None, prompts.value_output(it.passage), frame="passage")
+                out.append(TransferEpisode(f"{it.id}-{c}-{form}", it.id, it.kind, form, c, p, it.labels, it.texts,
+                                           it.gold_key, it.cf_key))
+        for it in un_items:
+            p = prompts.with_tool_prompt(question_text(it), form, None, prompts.value_output(it.passage), frame="passage")
+            out.append(TransferEpisode(f"{it.id}-unanswerable-{form}", it.id, it.kind, form, "unanswerable", p,
+                                       it.labels, it.texts, None, None))
+    return out
+
+
+def score_replies(episodes: Sequence[TransferEpisode], responses: Sequence[str], arm: str) -> pd.DataFrame:
+    """One scored row per episode: matched label / ABSTAIN / None, the rule, correct, followed_cf,
+    abstain, unmatched (pure). ``qkey`` = the item id (the cluster unit)."""
+    if len(episodes) != len(responses):
+        raise TransferError(f"{len(episodes)} episodes but {len(responses)} replies")
+    rows = []
+    for e, r in zip(episodes, responses):
+        m = match_choice(r, e.labels, e.texts)
+        rows.append({"arm": arm, "qkey": e.item_id, "kind": e.kind, "formulation": e.formulation,
+                     "condition": e.condition, "response": r, "extracted": m.extracted, "matched": m.matched,
+                     "match_rule": m.rule,
+                     "correct": e.gold_key is not None and m.matched == e.gold_key,
+                     "followed_cf": e.cf_key is not None and m.matched == e.cf_key,
+                     "abstain": m.matched == ABSTAIN, "unmatched": m.matched is None})
+    return pd.DataFrame(rows)
+
+
+# ==================================================================================================
+# metrics (pure)
+
+def memory_right(untreated: pd.DataFrame) -> set[tuple[str, str]]:
+    """(formulation, item) pairs the untreated model answers correctly closed-book."""
+    d = untreated[(untreated["condition"] == "closed_book") & untreated["correct"]]
+    return set(zip(d["formulation"], d["qkey"]))
+
+
+def metric_units(scored: pd.DataFrame, metric: str, mem_right: set[tuple[str, str]]) -> pd.DataFrame:
+    """Per-episode 0/1 values of ``metric``: columns formulation, qkey, value."""
+    check_choice("transfer metric", metric, METRICS)
+    if metric == "closed_book_acc":
+        d, col = scored[scored["condition"] == "closed_book"], "correct"
+    elif metric == "abstention":
+        d, col = scored[scored["condition"] == "unanswerable"], "abstain"
+    elif metric.startswith("unmatched_"):
+        d, col = scored[scored["condition"] == metric[len("unmatched_"):]], "unmatched"
+    else:
+        frame = metric.rsplit("_", 1)[1]
+        d = scored[scored["condition"] == frame]
+        d = d[[k in mem_right for k in zip(d["formulation"], d["qkey"])]]
+        col = "correct" if metric.startswith("retention") else "followed_cf"
+    out = d[["formulation", "qkey"]].copy()
+    out["value"] = d[col].astype(float).to_numpy()
+    return out.reset_index(drop=True)
+
+
+def active_metrics(frames: Sequence[str]) -> list[str]:
+    return [m for m in METRICS if not any(m.endswith(f"_{f}") for f in FRAMES if f not in frames)]
+
+
+def arm_rates(scored: pd.DataFrame, mem_right: set, formulations: Sequence[str], frames: Sequence[str],
+              n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict[str, dict]:
+    """``{metric: {form: interval, "pooled": interval}}`` for one arm."""
+    return {m: evaluation.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
+                                         seed=seed, alpha=alpha)
+            for m in active_metrics(frames)}
+
+
+def arm_deltas(treated: pd.DataFrame, untreated: pd.DataFrame, mem_right: set, formulations: Sequence[str],
+               frames: Sequence[str], arm: str, n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+    """``{metric: {form|pooled: contrast object + treated/untreated rates}}``: adapter − untreated on
+    common support (units (formulation, item), clusters = items); Holm over Table 6's pooled metrics."""
+    out: dict[str, dict] = {}
+    for m in active_metrics(frames):
+        tu, bu = metric_units(treated, m, mem_right), metric_units(untreated, m, mem_right)
+        out[m] = {}
+        for form in list(formulations) + ["pooled"]:
+            t = tu if form == "pooled" else tu[tu["formulation"] == form]
+            b = bu if form == "pooled" else bu[bu["formulation"] == form]
+            if form != "pooled" and len(formulations) == 1:
+                continue
+            c = evaluation.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed, treatment=arm, baseline="untreated")
+            pu = evaluation.paired_units(t, b)
+            c["treated"] = float(pu["t"].mean()) if len(pu) else None
+            c["untreated"] = float(pu["b"].mean()) if len(pu) else None
+            out[m][form] = c
+    evaluation.apply_holm({m: out[m]["pooled"] for m in TABLE6_METRICS if m in out})
+    return out
+
+
+def band_check(delta: Optional[float], band: float) -> dict[str, Any]:
+    """The paper's pre-registered band on the closed-book accuracy change."""
+    return {"delta": delta, "band": band, "inside": None if delta is None else bool(abs(delta) <= band)}
+
+
+def unmatched_gaps(rates_t: dict, rates_b: dict, frames: Sequence[str], gap: float) -> dict[str, dict]:
+    """Per frame (and closed book): unmatched rate of each arm, their gap, flagged when > ``gap``."""
+    out = {}
+    for c in ["closed_book"] + list(frames):
+        t = (rates_t.get(f"unmatched_{c}", {}).get("pooled") or {}).get("value")
+        b = (rates_b.get(f"unmatched_{c}", {}).get("pooled") or {}).get("value")
+        g = None if t is None or b is None else float(t - b)
+        out[c] = {"untreated": b, "treated": t, "gap": g, "flagged": g is not None and abs(g) > gap}
+    return out
+
+
+# ==================================================================================================
+# reverse transfer: training data and the no-leak guarantee
+
+def reverse_examples(cf_items: Sequence[TransferItem], formulations: Sequence[str],
+                     frames: Sequence[str] = FRAMES) -> list[finetune.TrainExample]:
+    """Correctness-labelled DPO pairs from the external set only: on each frame's with-tool prompt,
+    ``FINAL: <world-true option>`` is preferred over ``FINAL: <counterfactual option>``."""
+    out = []
+    for e in build_episodes(cf_items, [], formulations, frames, closed_book=False):
+        labels, texts = list(e.labels), list(e.texts)
+        gold, cf = texts[labels.index(e.gold_key)], texts[labels.index(e.cf_key)]
+        out.append(finetune.TrainExample(
+            question_id=e.item_id, qkey=e.item_id, instance_id=-1, fold=None, excluded=False,
+            formulation=e.formulation, condition=f"transfer_{e.condition}", tool_value=cf, prompt=e.prompt,
+            chosen=finetune.completion(gold), rejected=finetune.completion(cf)))
+    return out
+
+
+def check_no_memtoc_leak(examples: Sequence[finetune.TrainExample], questions: Sequence[Question]) -> dict[str, Any]:
+    """Raise TransferError if any MemToC content enters reverse training: a MemToC question (canonical
+    form) inside a training prompt, a training answer equal to a MemToC gold / near / far value, a
+    MemToC value of two or more tokens inside a training prompt, or a MemToC id / qkey as a training id.
+    Returns the counts checked."""
+    qs = {canon(q.question) for q in questions if canon(q.question)}
+    values = {canon(v) for q in questions for v in (q.gold, q.near, q.near_original, q.far) if v and canon(v)}
+    long_values = {v for v in values if len(v.split()) >= 2}
+    ids = {q.id for q in questions} | {q.qkey for q in questions}
+    problems = []
+    for e in examples:
+        p = f" {canon(e.prompt)} "
+        for q in qs:
+            if f" {q} " in p:
+                problems.append(f"{e.question_id}: prompt contains the MemToC question {q!r}")
+        for side in (e.chosen, e.rejected):
+            a = canon(side.split(":", 1)[1] if ":" in side else side)
+            if a in values:
+                problems.append(f"{e.question_id}: training answer {a!r} is a MemToC gold/distractor value")
+        for v in long_values:
+            if f" {v} " in p:
+                problems.append(f"{e.question_id}: prompt contains the MemToC value {v!r}")
+        if e.question_id in ids or e.qkey in ids:
+            problems.append(f"{e.question_id}: a MemToC question id")
+        if len(problems) >= 20:
+            break
+    if problems:
+        raise TransferError(f"reverse-transfer training data would contain MemToC content ({len(problems)} "
+                            "problem(s)); remove those rows from the external set: " + "; ".join(problems[:5]))
+    return {"passed": True, "n_examples": len(examples), "memtoc_questions": len(qs), "memtoc_values": len(values)}
+
+
+# ==================================================================================================
+# the stage (I/O and models)
+
+def _gen_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
+    return dict(backend=P.get("backend", "transformers"), batch_size=P.get("batch_size", "auto"),
+                dtype=ft["eval_dtype"] or P.get("dtype", "auto"), max_new_tokens=P.get("max_new_tokens", 48),
+                model_cache_dir=P.get("model_cache_dir"), **(P.get("backend_options") or {}))
+
+
+def _close(gen) -> None:
+    close = getattr(gen, "close", None)
+    if callable(close):
+        close()
+
+
+def find_adapters(adapter_root, model: str, objectives: Sequence[str], folds: Sequence[int]) -> dict[str, Path]:
+    """``{"<objective>_fold<k>": path}`` of notebook 04's finished adapters (training.json status finished)."""
+    out = {}
+    for obj in objectives:
+        for k in folds:
+            p = finetune.adapter_dir(adapter_root, model, obj, k)
+            rec = p / "training.json"
+            if rec.is_file() and (p / "adapter_config.json").is_file():
+                try:
+                    ok = json.loads(rec.read_text()).get("status") == "finished"
+                except ValueError:
+                    ok = False
+                if ok:
+                    out[f"{obj}_fold{k}"] = p
+    return out
+
+
+def run_arm(gen, label: str, arm: str, episodes: Sequence[TransferEpisode], run_dir) -> pd.DataFrame:
+    """Generate (through the cache ``generations/<label>/``) and score the transfer episodes."""
+    replies = evaluation.generate_replies(gen, label, list(episodes), run_dir)
+    return score_replies(episodes, [getattr(r, "text", r) for r in replies], arm)
+
+
+def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Forward and reverse transfer for every model of the run; writes ``summaries/transfer.json``
+    and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary."""
+    tr = transfer_params(P)
+    ft = finetune.finetune_params(P)
+    run_dir = Path(P.get("run_dir") or _run_dir(P))
+    P = {**P, "run_dir": run_dir}
+    timing: dict[str, float] = {}
+    t0 = time.time()
+    items, info = load_items(tr["dataset"])
+    cf, un = select_items(items, tr)
+    if not cf:
+        raise TransferError(f"no counterfactual items on the frames' common support in {info['path']} "
+                            f"(frames {tr['frames']}, verified_only {tr['verified_only']}, n_counterfactual "
+                            f"{tr['n_counterfactual']})")
+    forms, frames = tr["formulations"], tr["frames"]
+    n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
+    episodes = build_episodes(cf, un, forms, frames)
+    adapter_root = Path(tr["adapters_from"]) if tr["adapters_from"] else run_dir
+    caveat = ("Numbers from the run's models on " + (info["note"] if info["plumbing"] else f"the set {info['path']}")
+              + "; the paper's numbers (published) are Llama-3.1-8B-Instruct / gemma-2-9b-it on FaithEval x "
+                "ARC-Challenge: a different model and different data.")
+    summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "dataset": info, "caveat": caveat,
+        "config": tr, "n_boot": n_boot, "n_perm": n_perm, "alpha": alpha,
+        "metrics": {m: METRIC_DOC[m] for m in active_metrics(frames)},
+        "reverse_metrics": {m: evaluation.METRIC_DOC[m] for m in finetune.METRICS},
+        "models": {}, "published": published_transfer(P.get("release_dir")), "timing": timing,
+    }
+    bench = load_benchmark(P.get("release_dir")) if tr["reverse"] else None
+    out_dir = run_dir / "transfer"
+    for model in P["models"]:
+        gen_kw = _gen_kwargs(P, ft)
+        label = model
+        ms: dict[str, Any] = {"arms": {}, "forward": {}}
+        # 1. untreated: transfer episodes (+ MemToC held-out episodes for the reverse comparison)
+        t1 = time.time()
+        gen = models.load_generator(model, **gen_kw)
+        try:
+            base = run_arm(gen, label, "untreated", episodes, run_dir)
+            if tr["reverse"]:
+                rq = select_questions(bench.analysis, P["n_questions"], P.get("seed", PAPER_SEED))
+                rq = rq[:tr["reverse_eval_questions"]]
+                r_eps = finetune.eval_episodes(rq, list(P.get("formulations") or FORMULATIONS), ft["eval_conditions"])
+                memory = evaluation.ensure_memory(gen, label, bench, r_eps, P)
+                r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", "paper"))
+        finally:
+            _close(gen)
+        timing[f"{model}/untreated"] = round(time.time() - t1, 1)
+        mem = memory_right(base)
+        _write(out_dir / model / "scored_untreated.jsonl", base)
+        ms["support"] = {"n_items": len(cf), "n_unanswerable": len(un),
+                         "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
+        rates_b = arm_rates(base, mem, forms, frames, n_boot, 0, alpha)
+        ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
+        # 2. forward: notebook 04's adapters
+        found = find_adapters(adapter_root, label, tr["forward_objectives"], tr["forward_folds"])
+        ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under {adapter_root}/adapters/"
+                              f"{label}/ for objectives {tr['forward_objectives']} folds {tr['forward_folds']}; "
+                              "run 04 first (finetune.enabled) for forward transfer")
+        for arm, path in found.items():
+            t1 = time.time()
+            agen = models.load_generator(model, adapter=path, **gen_kw)
+            try:
+                obj, fold = arm.split("_fold")
+                treated = run_arm(agen, f"{label}__{obj}__fold{fold}", arm, episodes, run_dir)
+            finally:
+                _close(agen)
+            _write(out_dir / model / f"scored_{arm}.jsonl", treated)
+            rates_t = arm_rates(treated, mem, forms, frames, n_boot, 0, alpha)
+            ms["arms"][arm] = {"rates": rates_t, "adapter": str(path)}
+            deltas = arm_deltas(treated, base, mem, forms, frames, arm, n_boot, n_perm, 0)
+            ms["forward"][arm] = {
+                "adapter": str(path), "deltas": deltas,
+                "closed_book_band": band_check(deltas["closed_book_acc"]["pooled"]["delta"], tr["closed_book_band"]),
+                "unmatched_gap": unmatched_gaps(rates_t, rates_b, frames, tr["unmatched_gap"])}
+            timing[f"{model}/{arm}"] = round(time.time() - t1, 1)
+        # 3. reverse: DPO on the external set only, evaluated on MemToC
+        if tr["reverse"]:
+            t1 = time.time()
+            ms["reverse"] = reverse(P, tr, ft, cf, bench, model, r_eps, memory, r_base, gen_kw, progress)
+            timing[f"{model}/reverse"] = round(time.time() - t1, 1)
+        summary["models"][model] = ms
+    timing["total"] = round(time.time() - t0, 1)
+    write_summary(summary, run_dir)
+    return summary
+
+
+def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, progress=True) -> dict[str, Any]:
+    """Train the reverse-transfer DPO adapter (resumed when finished) and compare it with the untreated
+    model on MemToC held-out episodes (``finetune.paired_deltas``)."""
+    run_dir = Path(P["run_dir"])
+    examples = reverse_examples(cf_items, tr["reverse_train_formulations"], tr["frames"])
+    leak = check_no_memtoc_leak(examples, bench.questions)
+    rft = {**ft, "max_steps": tr["reverse_max_steps"], "batch_size": tr["reverse_batch_size"]}
+    spec = models.get_model(model)
+    base_path = models.prepare_model(model, cache_dir=P.get("model_cache_dir"))
+    path = run_dir / "adapters" / model / REVERSE_OBJECTIVE / "external"
+    if progress:
+        print(f"[transfer] {model} reverse DPO: {len(examples)} external pairs -> {path}")
+    rec = finetune.train_adapter(base_path, spec, examples, "dpo", rft, path, progress=progress)
+    agen = models.load_generator(model, adapter=path, **gen_kw)
+    try:
+        treated = finetune.score_with(agen, f"{model}__{REVERSE_OBJECTIVE}", r_eps, memory, run_dir,
+                                      P.get("matcher", "paper"))
+    finally:
+        _close(agen)
+    forms = [f for f in FORMULATIONS if f in set(treated["formulation"])]
+    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", 2000),
+                                 n_perm=P.get("n_perm", 10000), seed=0, alpha=P.get("alpha", 0.05))
+    return {"adapter": str(path), "leak_check": leak, "n_examples": len(examples),
+            "eval_questions": len({e.qkey for e in r_eps}), "n_episodes": int(len(treated)),
+            "training": {k: rec.get(k) for k in ("steps", "examples", "seconds", "first_loss", "final_loss",
+                                                 "resumed", "config_hash")},
+            **res}
+
+
+def _run_dir(P: dict[str, Any]) -> Path:
+    from ..config import run_dir
+    return run_dir(P)
+
+
+def _write(path: Path, df: pd.DataFrame) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in df.to_dict("records")),
+                    encoding="utf-8")
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(float(x)) else None
+    return x
+
+
+def write_summary(summary: dict[str, Any], run_dir) -> Path:
+    path = Path(run_dir) / "summaries" / "transfer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_plain(summary), indent=1, ensure_ascii=False))
+    os.replace(tmp, path)
+    return path
+
+
+def read_summary(run_dir) -> dict[str, Any]:
+    path = Path(run_dir) / "summaries" / "transfer.json"
+    if not path.is_file():
+        raise TransferError(f"{path} does not exist; run notebook 06_transfer first")
+    return json.loads(path.read_text())
+
+
+# ==================================================================================================
+# the paper's numbers, tables and a figure (for the notebook)
+
+def published_transfer(release_dir=None) -> Optional[dict[str, Any]]:
+    """Table 6 and the reverse-transfer numbers from the release's published_probes_agent_transfer.json
+    (None when the file is absent)."""
+    try:
+        path = resolve_release_dir(release_dir) / "published_probes_agent_transfer.json"
+    except MemtocError:
+        return None
+    if not path.is_file():
+        return None
+    t6 = json.loads(path.read_text()).get("transfer_table6") or {}
+    return {"source": t6.get("source"), "arms": t6.get("arms"), "reverse_transfer": t6.get("reverse_transfer"),
+            "pools": t6.get("pools"), "closed_book_retention_band": t6.get("closed_book_retention_band"),
+            "note": "the paper's models (Llama-3.1-8B-Instruct, gemma-2-9b-it) on FaithEval x ARC-Challenge: "
+                    "a different model and different data from this run"}
+
+
+def published_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """The paper's Table 6 (deltas with intervals) and reverse-transfer rows."""
+    pub = summary.get("published") or {}
+    rows = []
+    for a in pub.get("arms") or []:
+        for col in ("value_frame", "passage_frame", "abstention"):
+            c = a.get(col) or {}
+            rows.append({"source": "paper (different model and data)", "model": a["model"], "arm": a["method"],
+                         "metric": col, "delta": c.get("delta"), "ci95": c.get("ci95")})
+        rows.append({"source": "paper (different model and data)", "model": a["model"], "arm": a["method"],
+                     "metric": "closed_book_change", "delta": a.get("closed_book_retention_change"), "ci95": None})
+    for m, r in (pub.get("reverse_transfer") or {}).items():
+        if isinstance(r, dict) and "delta" in r:
+            rows.append({"source": "paper (different model and data)", "model": m, "arm": "reverse DPO",
+                         "metric": "MemToC retention", "delta": r["delta"], "ci95": r.get("ci95")})
+    return pd.DataFrame(rows)
+
+
+def rates_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """Pooled rate of every metric per model × arm, with interval and n."""
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for arm, a in ms.get("arms", {}).items():
+            for m, by in a["rates"].items():
+                r = by.get("pooled") or {}
+                ci = r.get("ci95") or [None, None]
+                rows.append({"model": model, "arm": arm, "metric": m, "value": r.get("value"),
+                             "ci_lo": ci[0], "ci_hi": ci[1], "n": r.get("n")})
+    return pd.DataFrame(rows)
+
+
+def forward_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """Pooled forward deltas (adapter − untreated) per model × arm × metric."""
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for arm, f in ms.get("forward", {}).items():
+            for m, by in f["deltas"].items():
+                c = by["pooled"]
+                ci = c.get("ci95") or [None, None]
+                rows.append({"model": model, "arm": arm, "metric": m, "untreated": c.get("untreated"),
+                             "treated": c.get("treated"), "delta": c.get("delta"), "ci_lo": ci[0], "ci_hi": ci[1],
+                             "p": c.get("p"), "p_holm": c.get("p_holm"), "n_units": c.get("n_units")})
+    return pd.DataFrame(rows)
+
+
+def reverse_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """Reverse-transfer deltas on MemToC (finetune.delta_table layout)."""
+    wrapped = {"models": {m: {"objectives": {REVERSE_OBJECTIVE: ms["reverse"]}}
+                          for m, ms in summary.get("models", {}).items() if ms.get("reverse")}}
+    return finetune.delta_table(wrapped)
+
+
+def plot(summary: dict[str, Any], path) -> Path:
+    """Forward deltas (Table 6 metrics + closed-book change) and reverse deltas (MemToC pooled
+    headline metrics), 95% intervals."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fw = forward_table(summary)
+    rv = reverse_table(summary)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, t, title, xcol in ((axes[0], fw[fw["metric"].isin(list(TABLE6_METRICS) + ["closed_book_acc"])] if len(fw) else fw,
+                                "forward: 04's adapters on the external set", "metric"),
+                               (axes[1], rv[rv["formulation"] == "pooled"] if len(rv) else rv,
+                                "reverse: external-set DPO on MemToC", "metric")):
+        if len(t):
+            groups = list(dict.fromkeys(t[xcol]))
+            arms = list(dict.fromkeys(t["arm"] if "arm" in t else t["objective"]))
+            for j, arm in enumerate(arms):
+                d = t[(t["arm"] if "arm" in t else t["objective"]) == arm]
+                for i, g in enumerate(groups):
+                    r = d[d[xcol] == g]
+                    if r.empty or r.iloc[0]["delta"] is None or pd.isna(r.iloc[0]["delta"]):
+                        continue
+                    r = r.iloc[0]
+                    x = i + (j - (len(arms) - 1) / 2) * 0.2
+                    lo = r["delta"] - r["ci_lo"] if pd.notna(r["ci_lo"]) else 0
+                    hi = r["ci_hi"] - r["delta"] if pd.notna(r["ci_hi"]) else 0
+                    ax.errorbar(x, r["delta"], yerr=[[lo], [hi]], fmt="o", capsize=3, color=f"C{j}",
+                                label=arm if i == 0 else None)
+            ax.set_xticks(range(len(groups)))
+            ax.set_xticklabels(groups, rotation=25, ha="right")
+            ax.legend(frameon=False, fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.set_title(title, fontsize=10)
+    axes[0].set_ylabel("adapter − untreated")
+    note = "built-in plumbing set: not a replication" if (summary.get("dataset") or {}).get("plumbing") else ""
+    fig.suptitle(f"Transfer (06){' — ' + note if note else ''}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
