@@ -43,8 +43,13 @@ def scored_path(run_dir: str | os.PathLike, model_label: str, variant: str) -> P
 
 
 def elicit(generator, model_label: str, questions: Sequence[Question], formulations: Iterable[str],
-           variant: str, run_dir: str | os.PathLike, matcher: str = "paper") -> pd.DataFrame:
-    """Closed-book replies and memory status per question × formulation (see the module doc)."""
+           variant: str, run_dir: str | os.PathLike, matcher: str = "paper",
+           scored_file: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Closed-book replies and memory status per question × formulation (see the module doc).
+
+    ``scored_file``: where the scored rows go (default ``scored_path(run_dir, model_label, variant)``);
+    notebook 04 writes an adapter's (or its own untreated) closed-book answers next to the adapter so
+    that notebook 02's file is never overwritten with a subset."""
     from .prompts import closed_book_prompt
     from .scoring import memory_status
 
@@ -68,7 +73,7 @@ def elicit(generator, model_label: str, questions: Sequence[Question], formulati
                          "memory_correct": correct, "gold": q.gold, "gold_kind": q.gold_kind,
                          "fold": q.fold, "n_new_tokens": r.n_new_tokens, "cached": r.cached})
     df = pd.DataFrame(rows, columns=COLUMNS + EXTRA_COLUMNS)
-    out = scored_path(run_dir, model_label, variant)
+    out = Path(scored_file) if scored_file is not None else scored_path(run_dir, model_label, variant)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -2,65 +2,90 @@
 evaluation against the untreated model.
 
 Training data (the paper's rule, :func:`training_examples`)
-    For every training question two examples per formulation, both on the untreated, schema-frame
+    For every training question two examples per training formulation (``train_formulations``;
+    default the Reference formulation only, as in the paper), both on the untreated, schema-frame
     with-tool prompt: under ``tool_wrong`` the verified answer is preferred over the tool's near
     value; under ``tool_right`` the tool value (= the verified answer) is preferred over the near
     distractor. So chosen = ``"FINAL: <gold>"`` and rejected = ``"FINAL: <near>"`` in both. DPO
     trains on (prompt, chosen, rejected); SFT on (prompt, chosen) with the loss on the completion
     tokens only (trl prompt-completion format). Only near distractors are used (far ones stay held
     out for evaluation). Prompts are rendered exactly as the generator renders them
-    (``models.render_prompt``: one user turn, no system turn for the embedded model); trl appends
-    the EOS token to every completion. Excluded questions (outside the 542) may be trained on.
+    (``models.render_prompt``: one user turn, no system turn for the embedded model), minus the
+    template's leading BOS text when trl's plain-text tokenization adds one itself
+    (:func:`training_prompt`; checked token for token against inference by
+    :func:`check_training_tokens`); trl appends the EOS token to every completion. Excluded questions
+    (outside the 542) may be trained on.
 
 Cross-fitting (:func:`crossfit_plan`)
-    The two chain-level folds of the 575-question pool (``Question.fold``). The adapter trained on
+    The two chain-level folds of the 575-question pool (``Question.fold``: the release's frozen split,
+    ``crossfit_folds.json``, see ``benchmark``). ``exclude_linked`` (default off) drops from each
+    fold's training data the questions linked to the other fold (``construct.related_links``). The adapter trained on
     fold k is evaluated only on analysis-set questions of the *other* fold, taken from the run's
     headline selection (``select_questions(analysis, n_questions)``, so the untreated replies of
     notebook 03 are reused from the cache). :func:`check_no_leakage` refuses a plan in which an
     evaluated question's chain is in its adapter's training data. Matched SFT and DPO runs share
     the base checkpoint, hyper-parameters, LoRA configuration, seed and data order.
 
-Evaluation
-    Each adapter answers the held-out episodes (conditions ``eval_conditions``, default tool_right,
-    tool_wrong, tool_error; untreated arm, schema frame, the default error payload) through the
-    generation cache (``generations/<model>__<objective>__fold<k>/``); replies are scored with
-    ``evaluation.score_episodes``, with the cells of the *untreated* model's closed-book memory (as in
-    the paper). The two folds together give one cross-fitted prediction per held-out question. Paired
-    changes adapter − untreated use ``evaluation.contrast`` (units (formulation, qkey) on common
-    support, question-cluster bootstrap CI, sign-flip p); Holm within each model × objective family;
-    the asymmetric success criterion is ``stats.success_criterion``.
+Evaluation (all generation of this stage: transformers backend, :func:`eval_generator_kwargs`)
+    Each adapter first answers the forced closed-book prompts of its held-out questions (same
+    formulations, ``elicitation.elicit``), then the held-out episodes (conditions ``eval_conditions``,
+    default tool_right, tool_wrong, tool_error; untreated arm, schema frame, the default error
+    payload), through the generation cache (``generations/<model>__<objective>__fold<k>/``). Its
+    replies are scored with ``evaluation.score_episodes`` against its *own* closed-book answers (its
+    own cells and kept-memory flags, as in the paper); the untreated model likewise against its own,
+    elicited by the same generator settings. The two folds together give one cross-fitted prediction
+    per held-out question. Paired changes adapter − untreated use ``evaluation.contrast`` on the
+    case-stable common support (units (formulation, qkey) in the metric's cell for both
+    checkpoints; ``n_treated_only`` / ``n_untreated_only`` count the rest), question-cluster bootstrap
+    CI, sign-flip p; Holm within each model × objective family; the asymmetric success criterion is
+    ``stats.success_criterion``.
 
 Files
     ``adapters/<model>/<objective>/fold<k>/``  peft adapter (``adapter_model.safetensors``,
         ``adapter_config.json``), ``training.json`` (resolved config, config hash, data hash, sizes,
         timings, versions; written last, so its presence marks a finished adapter), ``loss_curve.json``
-        and ``loss_curve.png``, ``scored.jsonl`` (the held-out scored episodes).
+        and ``loss_curve.png``, ``closed_book_<variant>.jsonl`` (the adapter's own closed-book answers),
+        ``scored.jsonl`` (the held-out scored episodes).
+    ``adapters/<model>/untreated_closed_book_<variant>.jsonl``  the untreated model's, by this stage's generator
     Training is skipped when ``training.json`` exists with the same config hash (resume).
 
 ``summaries/finetuning.json`` — structure (stable; claims cite it by JSON pointer)
 -----------------------------------------------------------------------------------
-A *delta object* is ``{"delta", "ci95", "p", "p_holm", "n_units", "n_clusters", "treatment",
-"baseline", "treated", "untreated"}``: ``delta`` = mean paired difference adapter − untreated over
-the units (formulation, qkey) of the common support (per formulation: that formulation's units;
+A *delta object* is ``{"delta", "ci95", "p", "p_holm", "n_units", "n_clusters", "n_treated_only",
+"n_untreated_only", "treatment", "baseline", "treated", "untreated"}``: ``delta`` = mean paired
+difference adapter − untreated over the units (formulation, qkey) of the case-stable common support
+(in the metric's cell for both checkpoints, each with its own closed-book answers; per formulation:
+that formulation's units;
 ``pooled``: all units, clustered by qkey), ``ci95`` a question-cluster bootstrap interval, ``p`` the
 sign-flip permutation p-value, ``p_holm`` Holm-adjusted within the family named below, and
 ``treated`` / ``untreated`` the two rates on that support (pooled: unweighted mean of the
-formulation rates). Rates in [0, 1]. ``<form>`` is a formulation or ``pooled``. ::
+formulation rates); ``n_treated_only`` / ``n_untreated_only`` = units in the cell for the adapter
+only / the untreated model only. Rates in [0, 1]. ``<form>`` is a formulation or ``pooled``. A
+*closed-book count object* is ``{<form> | "all": {"n", "n_correct", "n_incorrect", "n_absent",
+"untreated_n_correct", "untreated_n_incorrect", "untreated_n_absent", "n_changed"}}``
+(:func:`closed_book_counts`; the untreated model's own has no ``untreated_*`` / ``n_changed``). ::
 
-    /schema_version                                     1
+    /schema_version                                     2
     /run_name, /alpha, /n_boot, /n_perm, /matcher, /formulations
     /config                                             resolved finetune parameters (+ defaults)
+    /closed_book_variant, /support                      the memory variant; how deltas are supported
+    /folds                                              {"mode", "file", "frozen_chains", "rule_chains",
+                                                        "related_cross_fold_links", "exclude_linked"}
+    /eval_generator                                     load_generator arguments of this stage
     /metrics                                            {metric: definition} (retention, tool_follow,
                                                         wrong_follow, err_abstain)
     /holm_families                                      {"pooled": ..., "per_formulation": ...} (text)
     /models/<model>/base                                prepared base checkpoint path
     /models/<model>/folds/fold<k>                       {"train_questions", "train_chains",
                                                         "train_examples", "train_excluded",
+                                                        "train_linked_excluded",
                                                         "eval_questions", "eval_chains",
                                                         "leakage_checked": true}
     /models/<model>/adapters/<objective>/fold<k>        {"path", "config_hash", "resumed", "steps",
                                                         "examples", "seconds", "seconds_per_step",
-                                                        "first_loss", "final_loss"}
+                                                        "first_loss", "final_loss",
+                                                        "closed_book": closed-book count object}
+    /models/<model>/untreated_closed_book               closed-book count object (held-out questions)
     /models/<model>/objectives/<objective>/deltas/<metric>/<form>   delta object; families:
                                                         pooled = the four metrics' pooled deltas;
                                                         per_formulation = the four metrics × the
@@ -71,6 +96,7 @@ formulation rates). Rates in [0, 1]. ``<form>`` is a formulation or ``pooled``. 
                                                         "retention_delta", "tool_delta", "reason", ...}
     /models/<model>/objectives/<objective>/criterion_by_formulation/<form>   same, per formulation
     /models/<model>/objectives/<objective>/n_episodes   held-out episodes scored for this objective
+    /models/<model>/objectives/<objective>/closed_book  closed-book count object, both folds' adapters
 
 Claims: e.g. ``/models/smollm2-135m-instruct/objectives/sft/deltas/retention/pooled/delta`` and
 ``/models/smollm2-135m-instruct/objectives/dpo/criterion/passed``.
@@ -88,9 +114,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice
+from .models import ModelError, get_model
 from .records import Episode, Question
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 OBJECTIVES = ("sft", "dpo")
 TRAIN_CONDITIONS = ("tool_right", "tool_wrong")
 EVAL_CONDITIONS = ("tool_right", "tool_wrong", "tool_error")
@@ -99,17 +126,21 @@ METRICS = ("retention", "tool_follow", "wrong_follow", "err_abstain")
 #: Every key of the ``finetune`` parameter, with its default (see params/finetune.yaml).
 FT_DEFAULTS: dict[str, Any] = {
     "enabled": True,
+    "models": None,                        # None: the run's instruction-tuned (chat) models, as the paper's
+                                           # Table 1 (the base model is not fine-tuned); or a list of run models
     "objectives": ["sft", "dpo"],          # subset of sft, dpo
     "folds": [0, 1],                       # training folds; each adapter is evaluated on the other fold
-    "train_formulations": None,            # None: the run's formulations
+    "train_formulations": ["reference"],   # paper: the Reference formulation only (574/576 pairs per fold);
+                                           # None: the run's formulations
     "train_questions_per_fold": None,      # None: every question of the fold (575 pool, excluded too)
     "eval_questions_per_fold": None,       # None: every held-out question of the run's headline selection
     "eval_conditions": list(EVAL_CONDITIONS),
     "epochs": 1,                           # paper: 1 epoch
     "max_steps": -1,                       # > 0 caps the optimizer steps (fast slices); -1: epochs
-    "learning_rate": 1e-4,                 # paper 1e-5; see params/finetune.yaml for the measurement
+    "learning_rate": 1e-5,                 # paper: 1e-5 (the embedded model's params use the measured 1e-4:
+                                           # params/finetune.yaml)
     "lr_scheduler": "linear",
-    "warmup_ratio": 0.0,
+    "warmup_ratio": 0.0,                   # share of the optimizer steps (reaches trl as a ratio: warmup_kwargs)
     "lora_r": 16,                          # paper: r 16 on q/k/v/o, alpha 32
     "lora_alpha": 32,
     "lora_dropout": 0.0,
@@ -121,10 +152,18 @@ FT_DEFAULTS: dict[str, Any] = {
     "train_dtype": "bfloat16",             # base weights during training (LoRA weights stay fp32)
     "seed": None,                          # None: the run's seed
     "threads": None,                       # torch threads during training (None: torch default)
-    "gradient_checkpointing": False,       # trl's default is True; off is ~1.3x faster (memory is no issue at 135M)
+    "gradient_checkpointing": False,       # trl's default is True; off is ~1.3x faster (memory is no issue at 135M);
+                                           # params/paper.yaml turns it on (8-9B DPO on a 40 GB GPU)
     "eval_dtype": None,                    # dtype of the untreated AND adapter replies in this stage (None: the
                                            # run's dtype). bf16 rounding noise is as large as a small adapter's
                                            # effect on the logits; float32 isolates the adapter (see finetune.yaml)
+    "backend_options": {},                 # options of this stage's transformers generators (untreated and
+                                           # adapters), e.g. {token_budget: 32768}; with backend transformers they
+                                           # are laid over the run's backend_options, otherwise used alone (04
+                                           # always generates with transformers: eval_generator_kwargs)
+    "exclude_linked": False,               # true: drop from each fold's training data the questions linked to a
+                                           # question of the other fold (one's gold is the other's subject:
+                                           # construct.related_links). false = the paper's folds as released
 }
 
 _TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_ratio", "lora_r",
@@ -165,6 +204,14 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
 
     if not isinstance(f["enabled"], bool):
         fail("enabled", f"must be true or false, got {f['enabled']!r}")
+    run_models = list(P.get("models") or [])
+    if f["models"] is None:
+        f["models"] = [m for m in run_models if _is_chat(m)]
+    if isinstance(f["models"], str):
+        f["models"] = [f["models"]]
+    if not isinstance(f["models"], list) or any(m not in run_models for m in f["models"]):
+        fail("models", f"must be null (the run's instruction-tuned models) or a list drawn from the run's models "
+             f"{run_models}, got {f['models']!r}")
     if isinstance(f["objectives"], str):
         f["objectives"] = [f["objectives"]]
     if not isinstance(f["objectives"], list) or not f["objectives"]:
@@ -231,9 +278,24 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         fail("gradient_checkpointing", f"must be true or false, got {f['gradient_checkpointing']!r}")
     if f["eval_dtype"] not in (None, "auto", "bfloat16", "float32", "float16"):
         fail("eval_dtype", f"must be null (the run's dtype), auto, bfloat16, float32 or float16, got {f['eval_dtype']!r}")
+    if f["backend_options"] is None:
+        f["backend_options"] = {}
+    if not isinstance(f["backend_options"], dict):
+        fail("backend_options", "must be a mapping of transformers backend options (e.g. {token_budget: 32768}), "
+             f"got {f['backend_options']!r}")
+    if not isinstance(f["exclude_linked"], bool):
+        fail("exclude_linked", f"must be true or false (false: the paper's folds), got {f['exclude_linked']!r}")
     if f["threads"] is not None and (not is_int(f["threads"]) or f["threads"] < 1):
         fail("threads", f"must be null or a positive integer, got {f['threads']!r}")
     return f
+
+
+def _is_chat(model: str) -> bool:
+    """True for instruction-tuned (chat) registry models and for names the registry does not know."""
+    try:
+        return bool(get_model(model).chat)
+    except ModelError:
+        return True
 
 
 # ==================================================================================================
@@ -307,6 +369,7 @@ class FoldPlan:
     train_fold: int
     train_questions: tuple[Question, ...]
     eval_questions: tuple[Question, ...]
+    train_linked_excluded: tuple[str, ...] = ()    # ids dropped by exclude_linked
 
     @property
     def name(self) -> str:
@@ -317,6 +380,7 @@ class FoldPlan:
                 "train_questions": len(self.train_questions),
                 "train_chains": len({q.instance_id for q in self.train_questions}),
                 "train_excluded": sum(q.excluded for q in self.train_questions),
+                "train_linked_excluded": len(self.train_linked_excluded),
                 "train_examples": n_train_examples,
                 "eval_questions": len(self.eval_questions),
                 "eval_chains": len({q.instance_id for q in self.eval_questions})}
@@ -324,7 +388,7 @@ class FoldPlan:
 
 def crossfit_plan(pool: Sequence[Question], eval_pool: Sequence[Question], folds: Sequence[int] = (0, 1),
                   train_questions_per_fold: Optional[int] = None, eval_questions_per_fold: Optional[int] = None,
-                  seed: int = PAPER_SEED) -> list[FoldPlan]:
+                  seed: int = PAPER_SEED, exclude_linked: bool = False) -> list[FoldPlan]:
     """One :class:`FoldPlan` per training fold.
 
     ``pool``: the 575-question construction pool (``Benchmark.questions``; ``fold`` set). Training
@@ -333,24 +397,35 @@ def crossfit_plan(pool: Sequence[Question], eval_pool: Sequence[Question], folds
     ``eval_pool``: the analysis questions the run evaluates (in selection order); evaluation
     questions of the fold-k adapter: those of another fold, not excluded, the first
     ``eval_questions_per_fold`` when set.
+
+    ``exclude_linked``: drop from fold k's training questions every question linked
+    (``construct.related_links``, either direction) to a question of another fold of the pool, before
+    the slice is taken, so no adapter is trained on a question about its held-out questions' answers
+    (or the reverse). Off by default: the paper's folds as released.
     """
     from .benchmark import select_questions
+    from .construct import related_links
 
     missing = [q.id for q in list(pool) + list(eval_pool) if q.fold is None]
     if missing:
         raise FinetuneError(f"questions without a cross-fitting fold (e.g. {missing[:3]}); load them with "
                             "benchmark.load_benchmark, which assigns the chain-level folds")
+    cross = [r for r in related_links(pool) if r["cross_fold"]] if exclude_linked else []
     plans = []
     for k in folds:
         train = [q for q in pool if q.fold == k]
         if not train:
             raise FinetuneError(f"fold {k} has no questions in the pool; nothing to train on")
+        linked = {r["gold_id"] if r["gold_fold"] == k else r["subject_id"] for r in cross
+                  if k in (r["gold_fold"], r["subject_fold"])}
+        dropped = tuple(sorted(q.id for q in train if q.id in linked))
+        train = [q for q in train if q.id not in linked]
         if train_questions_per_fold is not None:
             train = select_questions(train, train_questions_per_fold, seed)
         held = [q for q in eval_pool if q.fold != k and not q.excluded]
         if eval_questions_per_fold is not None:
             held = held[:eval_questions_per_fold]
-        plans.append(FoldPlan(k, tuple(train), tuple(held)))
+        plans.append(FoldPlan(k, tuple(train), tuple(held), dropped))
     return plans
 
 
@@ -454,6 +529,140 @@ def plot_loss_curve(curve: Sequence[dict], path, title: str = "") -> Path:
     return path
 
 
+def warmup_kwargs(ratio: float, transformers_version: Optional[str] = None) -> dict[str, Any]:
+    """The TrainingArguments keyword that makes ``ratio`` (share of the optimizer steps) a *ratio*.
+
+    transformers >= 5.0 reads a float ``warmup_steps`` below 1 as a ratio and removed
+    ``warmup_ratio`` in 5.2 (deprecated in 5.0; huggingface/transformers#41326); before 5.0
+    ``warmup_steps`` is a step count (0.1 would mean 0.1 steps, i.e. no warm-up) and the ratio goes
+    in ``warmup_ratio``. ``transformers_version``: default the installed one."""
+    from packaging.version import Version
+    if transformers_version is None:
+        from importlib import metadata
+        transformers_version = metadata.version("transformers")
+    ratio = float(ratio)
+    if not 0 <= ratio < 1:
+        raise FinetuneError(f"finetune.warmup_ratio must be in [0, 1), got {ratio!r}")
+    if Version(transformers_version) >= Version("5.0.0"):
+        return {"warmup_steps": ratio if ratio > 0 else 0}
+    return {"warmup_ratio": ratio, "warmup_steps": 0}
+
+
+def training_arguments(ft: dict[str, Any], out_dir, *, progress: bool = True, cuda: bool = False,
+                       transformers_version: Optional[str] = None,
+                       arg_names: Optional[set[str]] = None) -> dict[str, Any]:
+    """Keyword arguments shared by trl's SFTConfig and DPOConfig. ``arg_names``: the field names of
+    ``transformers.TrainingArguments`` (default: the installed one's); checkpointing goes under
+    ``activation_checkpointing`` where it exists (transformers >= 5.24; ``gradient_checkpointing``
+    is its deprecated alias there), else ``gradient_checkpointing``. trl's configs default it to on;
+    it is always passed explicitly."""
+    if arg_names is None:
+        import dataclasses
+
+        from transformers import TrainingArguments
+        arg_names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in arg_names else "gradient_checkpointing"
+    out = dict(
+        output_dir=str(Path(out_dir) / "_trainer"), num_train_epochs=float(ft["epochs"]),
+        max_steps=int(ft["max_steps"]), learning_rate=ft["learning_rate"], lr_scheduler_type=ft["lr_scheduler"],
+        per_device_train_batch_size=ft["batch_size"], gradient_accumulation_steps=ft["grad_accum"],
+        max_length=ft["max_length"], seed=ft["seed"], data_seed=ft["seed"], logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=not cuda, disable_tqdm=not progress,
+        dataloader_num_workers=0, **{ckpt: bool(ft["gradient_checkpointing"])},
+        **warmup_kwargs(ft["warmup_ratio"], transformers_version),
+    )
+    if ft["gradient_checkpointing"]:
+        out[f"{ckpt}_kwargs"] = {"use_reentrant": False}
+    return out
+
+
+def leading_special_text(tokenizer) -> str:
+    """The text of the special tokens a plain ``tokenizer(text)`` call puts in front (a BOS for
+    Llama-3 / gemma-2 / Mistral tokenizers; "" for SmolLM2 and Qwen). Raises FinetuneError when the
+    tokenizer also appends special tokens (trl's plain-text rows could not match inference then)."""
+    probe = "FINAL: x"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    special = tokenizer(probe)["input_ids"]
+    n = len(special)
+    start = next((i for i in range(n - len(plain) + 1) if special[i:i + len(plain)] == plain), None)
+    if start is None or start + len(plain) != n:
+        raise FinetuneError(f"the tokenizer {type(tokenizer).__name__} appends special tokens to every text; "
+                            "memtoc's training rows cannot reproduce the inference token ids with it")
+    return "".join(tokenizer.convert_ids_to_tokens(special[:start])) if start else ""
+
+
+def training_prompt(tokenizer, spec, prompt: str) -> str:
+    """The prompt text for trl's plain-text rows, such that trl's tokenization (``tokenizer(text)``,
+    special tokens added) gives exactly the ids the generator feeds at inference.
+
+    Chat models: the generator renders the chat template (which already starts with the BOS text
+    for Llama-3.1 / gemma-2 / Mistral) and tokenizes it without special tokens; trl would add a
+    second BOS, so the template's leading BOS text is removed here. Base models: the raw prompt,
+    special tokens added on both sides."""
+    from . import models
+    text, special = models.render_prompt(tokenizer, spec, prompt)
+    if special:
+        return text
+    lead = leading_special_text(tokenizer)
+    if not lead:
+        return text
+    if not text.startswith(lead):
+        raise FinetuneError(f"{spec.name}: the tokenizer adds {lead!r} in front of every text but the chat "
+                            "template does not start with it; training would see a token inference does not")
+    return text[len(lead):]
+
+
+def check_training_tokens(tokenizer, spec, prompts: Sequence[str]) -> None:
+    """Raise FinetuneError unless trl's tokenization of :func:`training_prompt` equals the
+    generator's tokenization of the rendered prompt (one BOS where inference has one)."""
+    from . import models
+    for p in prompts:
+        text, special = models.render_prompt(tokenizer, spec, p)
+        want = tokenizer(text, add_special_tokens=special)["input_ids"]
+        got = tokenizer(training_prompt(tokenizer, spec, p))["input_ids"]
+        if got != want:
+            raise FinetuneError(f"{spec.name}: training prompt tokens differ from inference ({got[:6]}... vs "
+                                f"{want[:6]}...); refusing to train on a context the model never sees")
+
+
+def train_attention(config) -> Optional[str]:
+    """attn_implementation for training: eager for models with attention logit soft-capping
+    (gemma-2: SDPA and flash kernels drop the soft-capping), else None (transformers' default)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+
+
+def load_train_model(base_path, ft: dict[str, Any]):
+    """The base model for training (``train_dtype``; eager attention for soft-capping models)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
+    attn = train_attention(AutoConfig.from_pretrained(base_path))
+    kw = {"attn_implementation": attn} if attn else {}
+    return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **kw)
+
+
+def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: dict[str, Any], out_dir,
+                 *, progress: bool = True):
+    """trl's SFTTrainer (prompt-completion rows, completion-only loss) or DPOTrainer (preference
+    rows) with the LoRA configuration of ``ft``; the dataset is tokenized on construction."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    check_choice("objective", objective, OBJECTIVES)
+    lora = LoraConfig(r=ft["lora_r"], lora_alpha=ft["lora_alpha"], lora_dropout=ft["lora_dropout"],
+                      target_modules=list(ft["target_modules"]), task_type="CAUSAL_LM", bias="none")
+    common = training_arguments(ft, out_dir, progress=progress, cuda=torch.cuda.is_available())
+    ds = Dataset.from_list(list(rows))
+    if objective == "sft":
+        from trl import SFTConfig, SFTTrainer
+        return SFTTrainer(model=model, args=SFTConfig(completion_only_loss=True, **common), train_dataset=ds,
+                          processing_class=tokenizer, peft_config=lora)
+    from trl import DPOConfig, DPOTrainer
+    return DPOTrainer(model=model, args=DPOConfig(beta=float(ft["dpo_beta"]), **common), train_dataset=ds,
+                      processing_class=tokenizer, peft_config=lora)
+
+
 def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: str, ft: dict[str, Any],
                   out_dir, *, progress: bool = True, force: bool = False) -> dict[str, Any]:
     """Train one LoRA adapter with trl (SFTTrainer or DPOTrainer) and write it to ``out_dir``.
@@ -477,45 +686,23 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
         tok.pad_token = tok.eos_token
 
     def render(p: str) -> str:
-        return models.render_prompt(tok, spec, p)[0]
+        return training_prompt(tok, spec, p)
 
+    check_training_tokens(tok, spec, [e.prompt for e in examples[:4]])
     rows = sft_rows(examples, render) if objective == "sft" else dpo_rows(examples, render)
     chash = config_hash(objective, ft, models.weights_hash(base_path), rows)
     done = finished_adapter(out_dir, chash)
     if done is not None and not force:
         return {**done, "resumed": True}
 
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
-
     if ft.get("threads"):
         torch.set_num_threads(int(ft["threads"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("training.json", "adapter_model.safetensors", "adapter_config.json"):
         (out_dir / stale).unlink(missing_ok=True)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
-    lora = LoraConfig(r=ft["lora_r"], lora_alpha=ft["lora_alpha"], lora_dropout=ft["lora_dropout"],
-                      target_modules=list(ft["target_modules"]), task_type="CAUSAL_LM", bias="none")
-    common = dict(
-        output_dir=str(out_dir / "_trainer"), num_train_epochs=float(ft["epochs"]), max_steps=int(ft["max_steps"]),
-        learning_rate=ft["learning_rate"], lr_scheduler_type=ft["lr_scheduler"], warmup_steps=float(ft["warmup_ratio"]),
-        per_device_train_batch_size=ft["batch_size"], gradient_accumulation_steps=ft["grad_accum"],
-        max_length=ft["max_length"], seed=ft["seed"], data_seed=ft["seed"], logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), disable_tqdm=not progress,
-        dataloader_num_workers=0, gradient_checkpointing=bool(ft["gradient_checkpointing"]),
-    )
-    ds = Dataset.from_list(rows)
+    model = load_train_model(base_path, ft)
     t0 = time.time()
-    if objective == "sft":
-        from trl import SFTConfig, SFTTrainer
-        args = SFTConfig(completion_only_loss=True, **common)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
-    else:
-        from trl import DPOConfig, DPOTrainer
-        args = DPOConfig(beta=float(ft["dpo_beta"]), **common)
-        trainer = DPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
+    trainer = make_trainer(model, tok, rows, objective, ft, out_dir, progress=progress)
     t_setup = time.time() - t0
     t1 = time.time()
     trainer.train()
@@ -525,6 +712,7 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     (out_dir / "loss_curve.json").write_text(json.dumps(curve, indent=1))
     plot_loss_curve(curve, out_dir / "loss_curve.png", f"{spec.label} {objective.upper()} {out_dir.name}")
     steps = int(trainer.state.global_step)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     info = {
         "status": "finished", "config_hash": chash, "objective": objective, "base": str(base_path),
         "model": spec.name, "training": training_config(ft), "data_sha256": _sha(rows),
@@ -533,6 +721,8 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
         "steps": steps, "seconds": round(seconds, 2), "setup_seconds": round(t_setup, 2),
         "seconds_per_step": round(seconds / steps, 3) if steps else None,
         "first_loss": curve[0]["loss"] if curve else None, "final_loss": curve[-1]["loss"] if curve else None,
+        "gradient_checkpointing": bool(ft["gradient_checkpointing"]),
+        "peak_gpu_memory_gib": round(peak, 2) if peak is not None else None,
         "versions": _versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out_dir / "training.json").write_text(json.dumps(info, indent=1))
@@ -662,37 +852,92 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
 # ==================================================================================================
 # the stage
 
+def eval_generator_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
+    """``models.load_generator`` keyword arguments of this stage's generators (the untreated model
+    and every adapter): always the transformers backend, whatever the run's ``backend``.
+
+    Options: the run's ``backend_options`` only when the run itself uses transformers (a vLLM run's
+    engine options such as ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to
+    TransformersGenerator), then ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``,
+    else the run's ``dtype``. Pure: loads nothing."""
+    opts = dict(P.get("backend_options") or {}) if P.get("backend", "transformers") == "transformers" else {}
+    opts.update(ft.get("backend_options") or {})
+    return dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
+                dtype=ft["eval_dtype"] or P.get("dtype", "auto"), max_new_tokens=P.get("max_new_tokens", 48),
+                model_cache_dir=P.get("model_cache_dir"), **opts)
+
+
+def _memory_status(mem) -> dict[tuple[str, str], str]:
+    out = {}
+    for f, k, absent, correct in zip(mem["formulation"], mem["qkey"], mem["mem_absent"], mem["memory_correct"]):
+        out[(f, k)] = "absent" if bool(absent) else ("correct" if correct is True or correct == 1 else "incorrect")
+    return out
+
+
+def closed_book_counts(memory, untreated=None) -> dict[str, Any]:
+    """Counts of one checkpoint's forced closed-book answers (``elicitation.elicit`` frame), per
+    formulation and ``all``: n, n_correct, n_incorrect, n_absent; with ``untreated`` (the untreated
+    model's frame), the same counts of the untreated on the same (formulation, question) pairs
+    (``untreated_*``) and ``n_changed`` (pairs whose status correct / incorrect / absent differs)."""
+    own = _memory_status(memory)
+    base = _memory_status(untreated) if untreated is not None else None
+    forms = [f for f in FORMULATIONS if any(k[0] == f for k in own)] + ["all"]
+    out: dict[str, Any] = {}
+    for f in forms:
+        keys = [k for k in own if f == "all" or k[0] == f]
+        row = {"n": len(keys), **{f"n_{st}": sum(own[k] == st for k in keys) for st in ("correct", "incorrect", "absent")}}
+        if base is not None:
+            missing = [k for k in keys if k not in base]
+            if missing:
+                raise FinetuneError(f"no untreated closed-book answer for {missing[:3]}")
+            row.update({f"untreated_n_{st}": sum(base[k] == st for k in keys) for st in ("correct", "incorrect", "absent")})
+            row["n_changed"] = sum(own[k] != base[k] for k in keys)
+        out[f] = row
+    return out
+
+
 def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> dict[str, Any]:
     """Train every adapter (model × objective × fold; resumed when finished), evaluate each on its
-    held-out fold, compute the paired deltas and write ``summaries/finetuning.json``. Returns the
-    summary dict."""
-    from . import evaluation, models
+    held-out fold against its *own* closed-book answers, compute the paired deltas on the
+    case-stable common support and write ``summaries/finetuning.json``. Returns the summary dict.
+
+    Every reply of this stage (untreated and adapters, closed-book and with-tool) is generated by the
+    transformers backend with :func:`eval_generator_kwargs`, through the generation cache (the
+    untreated replies of notebooks 02/03 are reused when their generator settings are the same)."""
+    import pandas as pd
+
+    from . import elicitation, evaluation, models
     from .benchmark import load_benchmark
+    from .construct import related_summary
 
     ft = finetune_params(P)
     run_dir = Path(P.get("run_dir") or _run_dir(P))
     P = {**P, "run_dir": run_dir}
-    if P.get("backend", "transformers") != "transformers":
-        raise ConfigError("finetune: adapters are trained and evaluated with the transformers backend; "
-                          f"set backend: transformers for this stage (got {P.get('backend')!r})")
     bench = load_benchmark(P.get("release_dir"))
     forms = list(P.get("formulations") or FORMULATIONS)
     plans, examples = plan(P, bench)
     n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
-    gen_kw = dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
-                  dtype=ft["eval_dtype"] or P.get("dtype", "auto"),
-                  max_new_tokens=P.get("max_new_tokens", 48), model_cache_dir=P.get("model_cache_dir"),
-                  **(P.get("backend_options") or {}))
+    matcher = P.get("matcher", "paper")
+    variant = P.get("closed_book_variant", "forced")
+    gen_kw = eval_generator_kwargs(P, ft)
+    related = related_summary(bench.questions)
 
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "alpha": alpha, "n_boot": n_boot,
-        "n_perm": n_perm, "matcher": P.get("matcher", "paper"), "formulations": forms, "config": ft,
+        "n_perm": n_perm, "matcher": matcher, "formulations": forms, "config": ft,
+        "closed_book_variant": variant,
         "metrics": {m: evaluation.METRIC_DOC[m] for m in METRICS},
+        "support": ("each checkpoint is scored against its own closed-book answers; a delta compares the units "
+                    "(formulation, question) in the metric's cell for both checkpoints (case-stable common "
+                    "support); n_treated_only / n_untreated_only count the units in the cell for one side only"),
         "holm_families": {"pooled": "per model x objective: the four metrics' pooled deltas",
                           "per_formulation": "per model x objective: the four metrics x the formulations"},
+        "folds": {**bench.folds_source, "related_cross_fold_links": related["n_cross_fold"],
+                  "exclude_linked": ft["exclude_linked"]},
+        "eval_generator": {k: v for k, v in gen_kw.items() if k != "model_cache_dir"},
         "models": {},
     }
-    for model in P["models"]:
+    for model in ft["models"]:
         spec = models.get_model(model)
         base = models.prepare_model(model, cache_dir=P.get("model_cache_dir"))
         label = model
@@ -700,7 +945,6 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
         for p in plans:
             msum["folds"][p.name] = {**p.describe(len(examples[p.train_fold])), "leakage_checked": True}
         # 1. train
-        records: dict[str, dict[int, dict]] = {}
         for obj in ft["objectives"]:
             for p in plans:
                 path = adapter_dir(run_dir, label, obj, p.train_fold)
@@ -708,47 +952,60 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                     print(f"[finetune] {label} {obj} {p.name}: {len(examples[p.train_fold])} examples -> {path}")
                 rec = train_adapter(base, spec, examples[p.train_fold], obj, ft, path, progress=progress,
                                     force=force_train)
-                records.setdefault(obj, {})[p.train_fold] = rec
                 msum["adapters"].setdefault(obj, {})[p.name] = {
                     "path": str(path), "config_hash": rec["config_hash"], "resumed": rec["resumed"],
                     "steps": rec["steps"], "examples": rec["examples"], "seconds": rec["seconds"],
                     "seconds_per_step": rec["seconds_per_step"], "first_loss": rec["first_loss"],
                     "final_loss": rec["final_loss"]}
-        # 2. untreated replies on every held-out episode (served from 03's cache where it ran)
+        # 2. the untreated model on every held-out episode, with its closed-book answers elicited by the
+        #    same generator (served from 02/03's cache when the settings are the same)
         eps_by_fold = {p.train_fold: eval_episodes(p.eval_questions, forms, ft["eval_conditions"]) for p in plans}
+        q_by_fold = {p.train_fold: list(p.eval_questions) for p in plans}
         all_eps = list({e.episode_id: e for eps in eps_by_fold.values() for e in eps}.values())
         if not all_eps:
             raise FinetuneError("no held-out questions to evaluate (n_questions / eval_questions_per_fold too small)")
+        all_qs = list({q.id: q for qs in q_by_fold.values() for q in qs}.values())
         gen = models.load_generator(model, **gen_kw)
         try:
-            memory = evaluation.ensure_memory(gen, label, bench, all_eps, P)
-            untreated = score_with(gen, label, all_eps, memory, run_dir, P.get("matcher", "paper"))
+            memory = elicitation.elicit(gen, label, all_qs, forms, variant, run_dir, matcher=matcher,
+                                        scored_file=run_dir / "adapters" / label / f"untreated_closed_book_{variant}.jsonl")
+            untreated = score_with(gen, label, all_eps, memory, run_dir, matcher)
         finally:
             _close(gen)
-        # 3. each adapter on its held-out fold
+        msum["untreated_closed_book"] = closed_book_counts(memory)
+        # 3. each adapter: its own closed-book answers, then its held-out episodes scored against them
         for obj in ft["objectives"]:
-            parts = []
+            parts, mems = [], []
             for p in plans:
                 path = adapter_dir(run_dir, label, obj, p.train_fold)
                 if not eps_by_fold[p.train_fold]:
                     print(f"[finetune] {label} {obj} {p.name}: no held-out questions in this slice; not evaluated")
                     continue
+                alabel = f"{label}__{obj}__{p.name}"
                 agen = models.load_generator(model, adapter=path, **gen_kw)
                 try:
-                    df = score_with(agen, f"{label}__{obj}__{p.name}", eps_by_fold[p.train_fold], memory, run_dir,
-                                    P.get("matcher", "paper"))
+                    amem = elicitation.elicit(agen, alabel, q_by_fold[p.train_fold], forms, variant, run_dir,
+                                              matcher=matcher, scored_file=path / f"closed_book_{variant}.jsonl")
+                    df = score_with(agen, alabel, eps_by_fold[p.train_fold], amem, run_dir, matcher)
                 finally:
                     _close(agen)
+                msum["adapters"][obj][p.name]["closed_book"] = closed_book_counts(amem, memory)
                 df["train_fold"] = p.train_fold
                 evaluation._write_jsonl(path / "scored.jsonl",
                                         df.drop(columns=["schema"], errors="ignore").to_dict("records"))
                 parts.append(df)
-            import pandas as pd
+                mems.append(amem)
+            if not parts:
+                continue
             treated = pd.concat(parts, ignore_index=True)
             res = paired_deltas(treated, untreated, forms, METRICS, n_boot=n_boot, n_perm=n_perm, seed=0, alpha=alpha)
             res["n_episodes"] = int(len(treated))
+            res["closed_book"] = closed_book_counts(pd.concat(mems, ignore_index=True), memory)
             msum["objectives"][obj] = res
         summary["models"][model] = msum
+    # the paper's Holm families (stats.FAMILIES): retention and correct-tool following, each over
+    # models x objectives per slice; the other metrics uncorrected; criteria recomputed (H4)
+    evaluation.apply_finetune_families(summary, alpha)
     write_summary(summary, run_dir)
     return summary
 
@@ -786,7 +1043,7 @@ def read_summary(run_dir) -> dict[str, Any]:
 
 def delta_table(summary: dict[str, Any]):
     """Long DataFrame: model, objective, metric, formulation, delta, ci_lo, ci_hi, p, p_holm,
-    n_units, treated, untreated."""
+    n_units, n_treated_only, n_untreated_only, treated, untreated."""
     import pandas as pd
     rows = []
     for model, ms in summary.get("models", {}).items():
@@ -797,7 +1054,22 @@ def delta_table(summary: dict[str, Any]):
                     rows.append({"model": model, "objective": obj, "metric": metric, "formulation": form,
                                  "delta": c.get("delta"), "ci_lo": ci[0], "ci_hi": ci[1], "p": c.get("p"),
                                  "p_holm": c.get("p_holm"), "n_units": c.get("n_units"),
+                                 "n_treated_only": c.get("n_treated_only"),
+                                 "n_untreated_only": c.get("n_untreated_only"),
                                  "treated": c.get("treated"), "untreated": c.get("untreated")})
+    return pd.DataFrame(rows)
+
+
+def closed_book_table(summary: dict[str, Any]):
+    """One row per adapter and formulation (+ ``all``): its own forced closed-book counts beside the
+    untreated model's on the same questions, and how many answers changed status."""
+    import pandas as pd
+    rows = []
+    for model, ms in summary.get("models", {}).items():
+        for obj, by_fold in ms.get("adapters", {}).items():
+            for fold, a in by_fold.items():
+                for form, c in (a.get("closed_book") or {}).items():
+                    rows.append({"model": model, "objective": obj, "fold": fold, "formulation": form, **c})
     return pd.DataFrame(rows)
 
 
@@ -826,7 +1098,8 @@ def plan(P: dict[str, Any], bench=None):
         bench = load_benchmark(P.get("release_dir"))
     seed = P.get("seed", PAPER_SEED)
     plans = crossfit_plan(bench.questions, select_questions(bench.analysis, P["n_questions"], seed), ft["folds"],
-                          ft["train_questions_per_fold"], ft["eval_questions_per_fold"], seed)
+                          ft["train_questions_per_fold"], ft["eval_questions_per_fold"], seed,
+                          exclude_linked=ft["exclude_linked"])
     examples = {p.train_fold: training_examples(p.train_questions, ft["train_formulations"]) for p in plans}
     check_no_leakage(plans, examples)
     return plans, examples

@@ -34,8 +34,73 @@ def test_defaults_are_the_paper_configuration():
     assert ft["lora_r"] == 16 and ft["lora_alpha"] == 32 and ft["epochs"] == 1 and ft["dpo_beta"] == 0.1
     assert ft["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert ft["objectives"] == ["sft", "dpo"] and ft["folds"] == [0, 1]
-    assert ft["train_formulations"] == list(FORMULATIONS)
+    assert ft["train_formulations"] == ["reference"]          # the paper trains on the Reference formulation
+    assert ft["learning_rate"] == 1e-5                        # the paper's learning rate
+    assert ft["exclude_linked"] is False and ft["backend_options"] == {}
     assert ft["seed"] == load_params(None)["seed"]
+    # null still means the run's formulations
+    every = F.finetune_params(load_params(None, overrides={"finetune": {"train_formulations": None}}))
+    assert every["train_formulations"] == list(FORMULATIONS)
+
+
+def test_paper_params_train_like_the_paper_within_40_gb():
+    ft = F.finetune_params(load_params("params/paper.yaml"))
+    assert ft["learning_rate"] == 1e-5 and ft["train_formulations"] == ["reference"]
+    assert ft["gradient_checkpointing"] is True
+    assert ft["batch_size"] * ft["grad_accum"] == 8 and ft["batch_size"] <= 4     # effective batch 8
+    assert ft["train_dtype"] == "bfloat16"
+    for name in ("params/default.yaml", "params/finetune.yaml", "params/smoke.yaml"):   # embedded model
+        assert F.finetune_params(load_params(name))["learning_rate"] == 1e-4, name
+
+
+def test_paper_params_give_04_transformers_options_only():
+    """A vLLM run's engine options never reach TransformersGenerator: 04's generator arguments,
+    built from params/paper.yaml without loading weights, are all TransformersGenerator's."""
+    import inspect
+
+    from memtoc.backends.hf import TransformersGenerator
+    from memtoc.models import load_generator
+    P = load_params("params/paper.yaml")
+    assert P["backend"] == "vllm" and "gpu_memory_utilization" in P["backend_options"]
+    kw = F.eval_generator_kwargs(P, F.finetune_params(P))
+    assert kw["backend"] == "transformers"
+    accepted = set(inspect.signature(TransformersGenerator.__init__).parameters) | \
+        set(inspect.signature(load_generator).parameters) | {"model_cache_dir"}
+    assert set(kw) <= accepted, set(kw) - accepted
+    assert "gpu_memory_utilization" not in kw and "max_model_len" not in kw
+    assert kw["dtype"] == "bfloat16"
+    # a transformers run keeps its own options, finetune.backend_options on top
+    Pt = load_params(None, overrides={"backend_options": {"token_budget": 4096, "decode": "compact"},
+                                      "finetune": {"backend_options": {"token_budget": 2048}}})
+    kt = F.eval_generator_kwargs(Pt, F.finetune_params(Pt))
+    assert kt["token_budget"] == 2048 and kt["decode"] == "compact"
+    with pytest.raises(ConfigError, match="finetune.backend_options"):
+        F.finetune_params(load_params(None, overrides={"finetune": {"backend_options": [1]}}))
+
+
+def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
+    assert F.warmup_kwargs(0.1, "4.46.0") == {"warmup_ratio": 0.1, "warmup_steps": 0}
+    assert F.warmup_kwargs(0.1, "5.0.0") == {"warmup_steps": 0.1}
+    assert F.warmup_kwargs(0.1, "5.24.0") == {"warmup_steps": 0.1}
+    assert F.warmup_kwargs(0.0, "5.24.0") == {"warmup_steps": 0}
+    from trl import DPOConfig, SFTConfig
+    ft = F.finetune_params(load_params(None, overrides={"finetune": {"warmup_ratio": 0.1}}))
+    for cls in (SFTConfig, DPOConfig):          # the installed transformers / trl
+        args = cls(**F.training_arguments(ft, tmp_path, progress=False))
+        assert args.get_warmup_steps(100) == 10 and args.get_warmup_steps(7) == 1
+        assert args.gradient_checkpointing is False
+    ck = F.training_arguments({**ft, "gradient_checkpointing": True}, tmp_path)
+    name = "activation_checkpointing" if "activation_checkpointing" in ck else "gradient_checkpointing"
+    assert ck[name] is True and ck[f"{name}_kwargs"] == {"use_reentrant": False}
+    assert SFTConfig(**ck).gradient_checkpointing is True
+    old = F.training_arguments({**ft, "gradient_checkpointing": True}, tmp_path, arg_names={"gradient_checkpointing"})
+    assert old["gradient_checkpointing"] is True and "activation_checkpointing" not in old
+
+
+def test_softcapping_models_train_with_eager_attention():
+    from transformers import Gemma2Config, LlamaConfig
+    assert Gemma2Config().attn_logit_softcapping and F.train_attention(Gemma2Config()) == "eager"
+    assert F.train_attention(LlamaConfig()) is None
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -47,6 +112,7 @@ def test_defaults_are_the_paper_configuration():
     ({"train_formulations": ["nope"]}, "finetune.train_formulations"),
     ({"eval_conditions": ["no_tool"]}, "finetune.eval_conditions"),
     ({"eval_dtype": "int8"}, "finetune.eval_dtype"),
+    ({"exclude_linked": "yes"}, "finetune.exclude_linked"),
     ({"lr": 1e-4}, "unknown finetune key"),
 ])
 def test_bad_finetune_params_name_the_field(bad, field):
@@ -60,7 +126,7 @@ def test_training_config_is_shared_by_objectives():
     h_sft = F.config_hash("sft", ft, "w", rows)
     assert h_sft == F.config_hash("sft", ft, "w", rows)
     assert h_sft != F.config_hash("dpo", ft, "w", rows)
-    assert h_sft != F.config_hash("sft", {**ft, "learning_rate": 1e-5}, "w", rows)
+    assert h_sft != F.config_hash("sft", {**ft, "learning_rate": 1e-4}, "w", rows)
     assert h_sft != F.config_hash("sft", ft, "w2", rows)
     assert h_sft != F.config_hash("sft", ft, "w", [{"prompt": "p", "completion": "d"}])
     assert h_sft == F.config_hash("sft", {**ft, "enabled": False, "eval_questions_per_fold": 3}, "w", rows)
@@ -257,3 +323,146 @@ def test_pair_preference_matches_the_models_own_loss(bench):
         with torch.no_grad():
             nlls.append(float(model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss))
     assert batched["chosen_nll"] == pytest.approx(sum(nlls) / len(nlls), abs=1e-4)
+
+
+def test_only_instruction_tuned_models_are_fine_tuned_by_default():
+    P = load_params("params/paper.yaml")
+    ft = F.finetune_params(P)
+    assert "llama-3.1-8b" in P["models"] and "llama-3.1-8b" not in ft["models"]
+    assert ft["models"] == [m for m in P["models"] if m != "llama-3.1-8b"]
+    assert F.finetune_params(load_params(None))["models"] == ["smollm2-135m-instruct"]
+    with pytest.raises(ConfigError, match="finetune.models"):
+        F.finetune_params(load_params(None, overrides={"finetune": {"models": ["gpt-9"]}}))
+
+
+# ----------------------------------------------------------------------------------------------
+# each checkpoint's own closed-book answers; case-stable common support
+
+def _memory(qs, correct_ids):
+    return pd.DataFrame([{"formulation": "reference", "qkey": q.qkey, "variant": "forced",
+                          "response": f"FINAL: {q.gold if q.id in correct_ids else 'Somewhere Else'}"}
+                         for q in qs])
+
+
+def test_adapter_scored_against_its_own_memory_on_common_support():
+    """Untreated memory correct on q0-q2, the adapter's on q0, q1, q3: retention (arb) is compared on
+    {q0, q1} with one unit on each side only; both_wrong / tool_gold likewise {q4, q5} + 1 + 1."""
+    from memtoc import elicitation, evaluation
+    qs = [_q(i, 10 + i, 1) for i in range(6)]
+    eps = F.eval_episodes(qs, ["reference"])
+    replies = [f"FINAL: {e.tool_value}" if e.condition != "tool_error" else "FINAL: UNKNOWN" for e in eps]
+    mem_u = _memory(qs, {"10.0", "11.1", "12.2"})
+    mem_a = _memory(qs, {"10.0", "11.1", "13.3"})
+    untreated = evaluation.score_episodes(eps, replies, mem_u)
+    treated = evaluation.score_episodes(eps, replies, mem_a)
+    res = F.paired_deltas(treated, untreated, ["reference"], n_boot=50, n_perm=50)
+    for metric in ("retention", "tool_follow", "wrong_follow"):
+        for form in ("reference", "pooled"):
+            d = res["deltas"][metric][form]
+            assert (d["n_units"], d["n_treated_only"], d["n_untreated_only"]) == (2, 1, 1), (metric, form)
+    e = res["deltas"]["err_abstain"]["pooled"]
+    assert (e["n_units"], e["n_treated_only"], e["n_untreated_only"]) == (6, 0, 0)
+    t = F.delta_table({"models": {"m": {"objectives": {"sft": res}}}})
+    assert {"n_treated_only", "n_untreated_only"} <= set(t.columns)
+
+    # closed-book counts of the adapter beside the untreated model's
+    for m in (mem_a, mem_u):
+        m["mem_absent"] = False
+    mem_a["memory_correct"] = [q.id in {"10.0", "11.1", "13.3"} for q in qs]
+    mem_u["memory_correct"] = [q.id in {"10.0", "11.1", "12.2"} for q in qs]
+    c = F.closed_book_counts(mem_a, mem_u)
+    assert c["all"] == c["reference"] == {"n": 6, "n_correct": 3, "n_incorrect": 3, "n_absent": 0,
+                                          "untreated_n_correct": 3, "untreated_n_incorrect": 3,
+                                          "untreated_n_absent": 0, "n_changed": 2}
+    assert "n_changed" not in F.closed_book_counts(mem_u)["all"]
+
+
+# ----------------------------------------------------------------------------------------------
+# related-question leakage
+
+def test_exclude_linked_drops_questions_linked_across_folds(bench):
+    from memtoc.construct import related_links
+    pool = select_questions(bench.analysis, 542)
+    cross = [r for r in related_links(bench.questions) if r["cross_fold"]]
+    assert cross
+    plain = F.crossfit_plan(bench.questions, pool, [0, 1])
+    strict = F.crossfit_plan(bench.questions, pool, [0, 1], exclude_linked=True)
+    for p, s in zip(plain, strict):
+        k = p.train_fold
+        linked = {r["gold_id"] if r["gold_fold"] == k else r["subject_id"] for r in cross
+                  if k in (r["gold_fold"], r["subject_fold"])}
+        assert linked and linked <= {q.id for q in p.train_questions}          # the paper's folds keep them
+        assert not linked & {q.id for q in s.train_questions}
+        assert set(s.train_linked_excluded) == linked and p.train_linked_excluded == ()
+        assert len(s.train_questions) == len(p.train_questions) - len(linked)
+        assert s.eval_questions == p.eval_questions                           # evaluation is unchanged
+        assert s.describe()["train_linked_excluded"] == len(linked)
+    P = load_params(None, overrides={"n_questions": 40, "finetune": {"exclude_linked": True}})
+    plans, _ = F.plan(P, bench)
+    assert all(p.train_linked_excluded for p in plans)
+
+
+# ----------------------------------------------------------------------------------------------
+# training rows tokenize like inference: one BOS
+
+def _bos_tokenizer():
+    """A word-level tokenizer that, like Llama-3's, adds a BOS to every text, with a Llama-3-like
+    chat template that starts with the BOS text."""
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = ("FINAL : Gold Near City 0 1 Where was person born ? You called the tool below its output is "
+             "shown Tool schema result").split()
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<bos>", "<eos>", "<pad>", "<user>", "<end>", "<assistant>"]
+                                        + sorted(set(words)))}
+    tk = Tokenizer(tm.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                      special_tokens=[("<bos>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="[UNK]", additional_special_tokens=["<user>", "<end>", "<assistant>"])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}<user> {{ m['content'] }} <end>{% endfor %}"
+                         "{% if add_generation_prompt %} <assistant> {% endif %}")
+    return tok
+
+
+def test_training_rows_tokenize_like_inference_with_one_bos(tmp_path):
+    """trl tokenizes plain-text rows with special tokens; the rendered chat prompt already starts
+    with the BOS text: the rows must carry exactly one BOS, and the prompt ids must equal the ids the
+    generator feeds at inference."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memtoc import models
+    tok = _bos_tokenizer()
+    spec = models.ModelSpec("tiny-bos", "tiny", "local", chat=True, system_turn="template")
+    ex = F.training_examples([_q(0, 1, 0), _q(1, 1, 0)], ["reference"])
+    bos = tok.bos_token_id
+
+    def inference_ids(p):
+        text, special = models.render_prompt(tok, spec, p)
+        return tok(text, add_special_tokens=special)["input_ids"]
+
+    assert [inference_ids(e.prompt).count(bos) for e in ex] == [1] * len(ex)
+    assert F.leading_special_text(tok) == "<bos>"
+    F.check_training_tokens(tok, spec, [e.prompt for e in ex])
+    naive = tok(models.render_prompt(tok, spec, ex[0].prompt)[0])["input_ids"]
+    assert naive.count(bos) == 2                               # what trl saw before: two BOS
+
+    render = lambda p: F.training_prompt(tok, spec, p)
+    ft = F.finetune_params(load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2}}))
+    torch.manual_seed(0)
+    tiny = lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=bos, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    sft = F.make_trainer(tiny(), tok, F.sft_rows(ex, render), "sft", ft, tmp_path / "sft", progress=False)
+    for e, row in zip(ex, sft.train_dataset):
+        want = inference_ids(e.prompt)
+        assert row["input_ids"].count(bos) == 1
+        assert row["input_ids"][:len(want)] == want
+        assert [x == -100 for x in row["labels"]] == [True] * len(want) + [False] * (len(row["input_ids"]) - len(want))
+    dpo = F.make_trainer(tiny(), tok, F.dpo_rows(ex, render), "dpo", ft, tmp_path / "dpo", progress=False)
+    for e, row in zip(ex, dpo.train_dataset):
+        assert row["prompt_ids"] == inference_ids(e.prompt)
+        assert (row["prompt_ids"] + row["chosen_ids"]).count(bos) == 1
+        assert (row["prompt_ids"] + row["rejected_ids"]).count(bos) == 1
