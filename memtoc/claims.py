@@ -52,6 +52,7 @@ from typing import Any, Iterable, Optional
 
 import yaml
 
+from . import published
 from .config import REPO_ROOT, MemtocError
 
 REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
@@ -722,220 +723,13 @@ def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
 
 
 # --------------------------------------------------------------------------------------------
-# Published paper checks: values re-derived from the release data
+# Published paper checks: memtoc/published.py (re-derived through memtoc.metrics / memtoc.stats)
 
-def _regex_extract(text: Any, pattern: str, group: int | str = 1, where: str = "") -> str:
-    if not isinstance(text, str):
-        raise ClaimError(f"{where}: regex source is a {type(text).__name__}, not text")
-    m = re.search(pattern, text)
-    if not m:
-        raise MissingSource(f"{where}: pattern {pattern!r} not found")
-    return m.group(group)
-
-
-def _published_value(spec: dict, env: dict, files: _Files, where: str) -> Any:
-    """``{file, pointer?, regex?, group?}``: a value read from a release file."""
-    rel = _fill(spec["file"], env)
-    node = files.get(rel, _fill(spec.get("pointer", ""), env, escape=True))
-    if "regex" in spec:
-        pattern = spec["regex"]
-        m = re.fullmatch(r"\{(\w+)\[(\w+)\]\}", pattern)   # "{var[field]}": a pattern taken from foreach
-        if m:
-            pattern = env[m.group(1)][m.group(2)]
-        node = _regex_extract(node, pattern, spec.get("group", 1), f"{rel}{spec.get('pointer', '')}")
-        if re.fullmatch(r"[\d,]+", node):
-            node = int(node.replace(",", ""))
-        elif re.fullmatch(r"\d*\.\d+", node):
-            node = float(node)
-    if "contains" in spec:   # does the text name this item (e.g. a model in a list of models)?
-        node = _fill(spec["contains"], env) in str(node)
-    if "map" in spec:
-        node = spec["map"].get(node, node)
-    if spec.get("sum_values"):
-        node = sum(node.values())
-    if spec.get("len"):
-        node = len(node)
-    return node
-
-
-def _ptrs(spec: dict, env: dict, files: _Files, key: str = "pointers") -> list[Any]:
-    """Values at several pointers of one file (``{file, pointers: [...]}`` or ``{file, pointer, over}``)."""
-    rel = _fill(spec["file"], env)
-    if "over" in spec:
-        envs = _expand(spec["over"], env, files, str(spec))
-        ptrs = [_fill(spec["pointer"], e, escape=True) for e in envs]
-    else:
-        ptrs = [_fill(p, env, escape=True) for p in spec[key]]
-    return [files.get(rel, p) for p in ptrs]
-
-
-def _jsonl_rows(spec: dict, env: dict, files: _Files) -> list[dict]:
-    rows, _ = files.load(_fill(spec["file"], env))
-    if not isinstance(rows, list):
-        raise ClaimError(f"{spec['file']}: expected JSON lines")
-    for cond in spec.get("where", []):
-        fieldname = cond["field"]
-        if "equals" in cond:
-            rows = [r for r in rows if r.get(fieldname) == cond["equals"]]
-        if "not_equals" in cond:
-            rows = [r for r in rows if r.get(fieldname) != cond["not_equals"]]
-        if "prefix" in cond:
-            rows = [r for r in rows if str(r.get(fieldname, "")).startswith(cond["prefix"])]
-        if cond.get("not_null"):
-            rows = [r for r in rows if r.get(fieldname) is not None]
-        if "in" in cond or "not_in" in cond:
-            ref = cond.get("in") or cond.get("not_in")
-            vals = set(files.get(ref["file"], ref["pointer"]))
-            keep = "in" in cond
-            rows = [r for r in rows if (r.get(fieldname) in vals) == keep]
-    return rows
-
-
-def _derive_published(d: dict, env: dict, files: _Files) -> Any:
-    op = d["op"]
-    if op == "value":
-        return _published_value(d, env, files, op)
-    if op == "from_env":
-        return _derive_published(env[d["key"]]["derived"], env, files)
-    if op in ("mean", "sum"):
-        vals = _ptrs(d, env, files)
-        return sum(vals) / len(vals) if op == "mean" else sum(vals)
-    if op == "weighted_mean":
-        vals = _ptrs(d["values"], env, files)
-        w = _ptrs(d["weights"], env, files)
-        return sum(v * n for v, n in zip(vals, w)) / sum(w)
-    if op in ("min", "max", "range"):
-        vals = [v for v in _ptrs(d, env, files) if not _is_missing(v)]
-        if op == "min":
-            return min(vals)
-        if op == "max":
-            return max(vals)
-        return (min(vals), max(vals))
-    if op == "literal":
-        return d["value"]
-    if op in ("product", "difference"):
-        parts = [x if isinstance(x, (int, float)) else _derive_published(x, env, files) for x in d["of"]]
-        if op == "difference":
-            return parts[0] - parts[1]
-        out = 1
-        for x in parts:
-            out *= x
-        return out
-    if op == "ratio":
-        return _derive_published(d["num"], env, files) / _derive_published(d["den"], env, files)
-    if op == "len":
-        node = files.get(_fill(d["file"], env), _fill(d.get("pointer", ""), env, escape=True))
-        return len(node)
-    if op == "count_rows":
-        rows = _jsonl_rows(d, env, files)
-        if d.get("distinct"):
-            return len({r.get(d["distinct"]) for r in rows})
-        return len(rows)
-    if op == "holm":
-        from statsmodels.stats.multitest import multipletests
-        envs = _expand(d["over"], env, files, "holm")
-        ps = [files.get(_fill(d["file"], e), _fill(d["pointer"], e, escape=True)) for e in envs]
-        adj = multipletests(ps, method="holm")[1]
-        target = [i for i, e in enumerate(envs) if all(e[k] == env.get(k) for k in d["over"])]
-        return float(adj[target[0]])
-    if op == "clopper_pearson":
-        from scipy.stats import binomtest
-        k = int(_derive_published(d["k"], env, files))
-        n = int(_derive_published(d["n"], env, files))
-        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
-        return [float(ci.low), float(ci.high)]
-    if op == "order":
-        envs = _expand(d["over"], env, files, "order")
-        var = next(iter(d["over"]))
-        vals = [(files.get(_fill(d["file"], e), _fill(d["pointer"], e, escape=True)), e[var]) for e in envs]
-        return [name for _, name in sorted(vals, key=lambda t: t[0], reverse=bool(d.get("descending")))]
-    if op == "criterion":
-        # the asymmetric success criterion on paired contrasts {delta, p}: the target metric rises
-        # significantly (delta > 0, p < alpha) and the guarded one shows no significant drop
-        alpha = float(d.get("alpha", 0.05))
-        up = _derive_published(d["up"], env, files)
-        if not (up[d.get("delta", "delta")] > 0 and up[d.get("p", "p")] < alpha):
-            return False
-        guard = _derive_published(d["guard"], env, files)
-        return not (guard[d.get("delta", "delta")] < 0 and guard[d.get("p", "p")] < alpha)
-    if op == "same_order":
-        orders = [_derive_published(o, env, files) for o in d["orders"]]
-        return all(o == orders[0] for o in orders)
-    raise ClaimError(f"published check: unknown op {op!r}")
-
-
-def _fmt_pub(v: Any, rule: str) -> str:
-    if isinstance(v, tuple):
-        return RANGE_DASH.join(_fmt_pub(x, rule) for x in v)
-    if isinstance(v, list) and rule != "exact":
-        return "[" + ", ".join(_fmt_pub(x, rule) for x in v) + "]"
-    if isinstance(v, str) and rule != "exact":
-        s = v.strip().replace("-", RANGE_DASH) if re.fullmatch(r"\s*[\d.]+\s*[-–]\s*[\d.]+\s*", v) else v
-        if RANGE_DASH in s:
-            return RANGE_DASH.join(_fmt_pub(float(x), rule) for x in s.split(RANGE_DASH))
-        try:
-            return format_value(float(v), rule)
-        except ValueError:
-            return v
-    return format_value(v, rule)
-
-
-def verify_published(release_dir: str | Path | None = None, registry: str | Path | dict | None = None) -> VerificationResult:
-    """Re-derive the published numbers listed under ``published:`` in the registry."""
-    from .config import resolve_release_dir
-    rel_dir = resolve_release_dir(release_dir)
-    reg = load_registry(registry)
-    specs = reg.get("published") or []
-    if not specs:
-        raise ClaimError("the registry has no 'published' checks")
-    files = _Files(rel_dir)
-    res = VerificationResult(kind="published", target=str(rel_dir))
-    for spec in specs:
-        try:
-            envs = _expand(spec.get("foreach"), {}, files, spec["id"])
-        except ClaimError as e:
-            res.rows.append(CheckRow(id=spec["id"], status="MISMATCH", detail=f"cannot expand: {e}"))
-            continue
-        for env in envs:
-            cid = _fill(spec["id"], env)
-            row = CheckRow(id=cid, status="MISMATCH",
-                           source=_fill(spec.get("describe", ""), env))
-            try:
-                pub = _published_value(spec["published"], env, files, cid)
-                der = _derive_published(spec["derived"], env, files)
-                rule = spec.get("rounding", "exact")
-                row.printed = _fmt_pub(pub, spec.get("published_rounding", rule))
-                row.derived = _fmt_pub(der, rule)
-            except MissingSource as e:
-                if spec.get("skip_missing"):
-                    row.status, row.detail = "N/A", f"not in the release copy: {e}"
-                else:
-                    row.detail = f"cannot re-derive: {e}"
-                res.rows.append(row)
-                continue
-            except ClaimError as e:
-                row.detail = f"cannot re-derive: {e}"
-                res.rows.append(row)
-                continue
-            known = spec.get("known_disagreement")
-            known_ids = spec.get("known_ids")
-            applies = known and (not known_ids or cid in known_ids)
-            tol = spec.get("tolerance")
-            if row.printed != row.derived and tol and isinstance(pub, (int, float)) and isinstance(der, (int, float)) \
-                    and abs(float(pub) - float(der)) <= float(tol) + 1e-12:
-                row.status = "MATCH"
-                row.detail = f"within {tol} (the inputs are themselves rounded): exact {der!r}"
-            elif row.printed == row.derived:
-                row.status = "MATCH"
-                if applies and known_ids:
-                    row.detail = "documented disagreement not reproduced"
-            elif applies:
-                row.status = "NOTE"
-                row.detail = _fill(known, env)
-            else:
-                row.detail = f"published {row.printed!r}, re-derived {row.derived!r}"
-            res.rows.append(row)
-    return res
+def verify_published(release_dir: str | Path | None = None, registry: str | Path | dict | None = None):
+    """The published paper's derivable numbers, re-derived from the release data through memtoc's
+    own analysis code: :func:`memtoc.published.verify_published` (kept here for ``memtoc verify``
+    and notebook 09)."""
+    return published.verify_published(release_dir, registry)
 
 
 # --------------------------------------------------------------------------------------------
@@ -959,8 +753,9 @@ def cli(argv: list[str]) -> int:
         results.append(verify(args.run_dir, registry=args.registry))
     if args.published:
         results.append(verify_published(args.release, args.registry))
-    if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=1, ensure_ascii=False))
+    if args.json:       # --published alone: one object {"checks": [...], "summary": {...}}
+        doc = results[0].to_dict() if (args.published and not args.run_dir) else [r.to_dict() for r in results]
+        print(json.dumps(doc, indent=1, ensure_ascii=False))
     else:
         for r in results:
             print(f"== {'run ' + r.target if r.kind == 'run' else 'published paper vs ' + r.target}")

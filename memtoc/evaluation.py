@@ -107,7 +107,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from . import stats
+from . import metrics, stats
 from .config import FORMULATIONS, DataError, MemtocError
 from .records import Episode, arm_key
 
@@ -833,9 +833,13 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
         "n_questions": {"headline": int(head["qkey"].nunique()), "extra": len(extra_q)},
         "n_episodes": int(len(scored)),
         "headline": headline_metrics(scored, formulations, n_boot=n_boot, seed=seed, alpha=alpha),
+        "formulation_spread": {},
         "cells": cell_counts(scored, formulations),
         "source_matrix": source_matrix(scored, formulations),
     }
+    out["formulation_spread"] = {m: metrics.formulation_spread(
+        {f: (v.get(m) or {}).get("value") for f, v in out["headline"].items() if f != "pooled"})
+        for m in HEADLINE_METRICS}
     mets = ("retention", "tool_follow", "wrong_follow", "err_abstain")
     prompting = arm_comparison(scored, PROMPTING_ARMS, mets, "prompting", **kw)
     if prompting:       # the success criterion is added once the Holm families are applied

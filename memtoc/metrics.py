@@ -34,6 +34,7 @@ n_err (all tool_error episodes), n_mem_absent (questions whose memory is absent)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -229,6 +230,14 @@ def pooled_point_metrics(df: pd.DataFrame, formulation_col: str = "formulation")
     out["pooled"] = {spec.name: pool_formulations([out[str(f)][spec.name] for f in forms], dens[spec.name])
                      for spec in RATE_METRICS}
     return out
+
+
+def formulation_spread(per_formulation: dict[str, Any]) -> float:
+    """Spread of a rate across formulations (max - min over the formulations where it is defined;
+    NaN when none is): the robustness reading of §5.3 ("retention moves by 7-15 points between
+    formulations"). ``per_formulation``: {formulation: value}."""
+    vals = [float(v) for v in per_formulation.values() if v is not None and not math.isnan(float(v))]
+    return max(vals) - min(vals) if vals else float("nan")
 
 
 def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_boot: int = _stats.DEFAULT_N_BOOT,

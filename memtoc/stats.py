@@ -290,6 +290,17 @@ def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> dict[str, Any]:
     return {"p1": p1, "p2": p2, "diff": p1 - p2, "z": float(z), "p": float(p)}
 
 
+def clopper_pearson(k: int, n: int, alpha: float = 0.05) -> list[float]:
+    """Exact (Clopper-Pearson) interval for k of n (scipy ``binomtest``), as the paper reports the
+    acknowledgment rate (0 of 120, upper bound 3%)."""
+    from scipy.stats import binomtest
+
+    if n <= 0 or not 0 <= k <= n:
+        raise StatsInputError(f"clopper_pearson: need 0 <= k <= n and n > 0 (k={k}, n={n})")
+    ci = binomtest(int(k), int(n)).proportion_ci(confidence_level=1 - alpha, method="exact")
+    return [float(ci.low), float(ci.high)]
+
+
 def _p(c: Mapping[str, Any]) -> Optional[float]:
     for key in ("p_holm", "p_signflip", "p"):
         if c.get(key) is not None:
