@@ -131,3 +131,120 @@ def test_compact_layer_matches_dynamic_layer(order):
             assert g.shape == (n, H, P + 4, D) and g.is_contiguous()
             assert torch.equal(g[:, :, :L], w) and not g[:, :, L:].any()
         assert layer.get_seq_length() == ref.get_seq_length() == L
+
+
+# -- batch invariance (issue 13.1) ----------------------------------------------------------------
+def _invariance_gen(tiny_model_dir, **kw):
+    kw.setdefault("max_new_tokens", 10)
+    gen = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir,
+                                   show_progress=False, **kw)
+    gen.eos_ids = gen.eos_ids | set(range(3, len(gen.tokenizer), 37))  # rows end at different steps
+    return gen
+
+
+def _by_prompt(prompts, replies):
+    return {p: (r.text, r.finish, r.n_new_tokens) for p, r in zip(prompts, replies)}
+
+
+def test_default_cpu_dtype_is_float32_with_the_tie_break(tiny_model_dir):
+    import torch
+    gen = _invariance_gen(tiny_model_dir)
+    assert gen.torch_dtype == torch.float32 and gen.tie_margin == hf.FLOAT32_TIE_MARGIN
+    assert gen.identity["decoding"]["dtype"] == "float32" and gen.identity["decoding"]["tie_margin"] > 0
+    assert _invariance_gen(tiny_model_dir, dtype="bfloat16").tie_margin == 0.0
+    with pytest.raises(ConfigError, match="tie_margin"):
+        _invariance_gen(tiny_model_dir, tie_margin=-1)
+
+
+def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path):
+    """Default settings: the same prompts one by one, in batches of 3, 16 and auto, in reverse order,
+    with shared prefixes on and off, and after a cache repair (3 lines regenerated in their own
+    batch) give identical replies."""
+    import random
+    prompts = _prompts_with_shared_prefixes(16)
+    gen = _invariance_gen(tiny_model_dir)
+    want = _by_prompt(prompts, gen.generate(prompts))
+    assert len({v[2] for v in want.values()}) >= 3              # replies of different lengths
+    shuffled = prompts[::-1]
+    random.Random(0).shuffle(shuffled)
+    for bs, order, share in ((1, prompts[5:9], True), (3, prompts[::-1], True), (16, shuffled, False),
+                             ("auto", shuffled, True), (5, prompts[3:11], True)):
+        gen.batch_size, gen.share_prefix = bs, share
+        assert _by_prompt(order, gen.generate(order)) == {p: want[p] for p in order}, (bs, share)
+    gen.batch_size, gen.share_prefix = "auto", True
+    cache = tmp_path / "replies.jsonl"
+    gen.generate(prompts, cache)
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(l for i, l in enumerate(lines) if i not in (2, 7, 11)) + "\n")  # damage
+    again = gen.generate(prompts, cache)
+    assert sum(not r.cached for r in again) == 3
+    assert _by_prompt(prompts, again) == want
+
+
+def test_the_tie_break_decides_every_near_tie_canonically(tiny_model_dir):
+    """With a margin that makes every step a "near tie", every token comes from the batch-1
+    canonical forward, so even bf16 replies (whose batched logits move with the batch by up to 1.0 on
+    the real model) are identical in every batch, in both decode loops."""
+    prompts = _prompts_with_shared_prefixes(12)[::2]
+    guarded = _invariance_gen(tiny_model_dir, dtype="bfloat16", tie_margin=1e9, max_new_tokens=4)
+    runs = []
+    for bs in (1, 6, 4):
+        guarded.batch_size = bs
+        runs.append(_by_prompt(prompts, guarded.generate(prompts)))
+    assert runs[0] == runs[1] == runs[2]
+    steps = sum(v[2] + (v[1] == "eos") for v in runs[0].values())
+    assert guarded.decode_stats["tie_recomputes"] == 3 * steps
+    guarded.decode = "generate"                                   # the generate path has the same guard
+    assert _by_prompt(prompts, guarded.generate(prompts)) == runs[0]
+
+
+def test_cache_keyword_is_read_from_the_forward_signature(tiny_model_dir):
+    import inspect
+    gen = _invariance_gen(tiny_model_dir)
+    params = inspect.signature(gen.model.forward).parameters
+    assert gen.cache_kw in params and gen.cache_kw in ("cache", "past_key_values")
+    assert gen.info["cache_keyword"] == gen.cache_kw
+
+
+def test_an_unfilled_cache_is_an_error_not_garbage(tiny_model_dir):
+    """A forward that swallows the cache keyword (transformers < 5.24 given `cache=`) must raise."""
+    gen = _invariance_gen(tiny_model_dir)
+    gen.cache_kw = "cache_under_a_name_the_model_does_not_know"
+    for share in (False, True):
+        gen.share_prefix = share
+        with pytest.raises(hf.GenerationError, match="did not fill the KV cache"):
+            gen.generate(_prompts_with_shared_prefixes(4))
+
+
+def _transformers_before(version):
+    import transformers
+    from packaging.version import Version
+    return Version(transformers.__version__) < Version(version)
+
+
+@pytest.mark.skipif(not _transformers_before("5.24"), reason="checks an older transformers (the GPU extra's 5.20.2): "
+                    "/tmp/venv520/bin/python -m pytest tests/test_backends_hf.py -k older_transformers")
+def test_compact_paths_under_an_older_transformers(tiny_model_dir):
+    """transformers < 5.24 names the cache `past_key_values`: the plain and shared prefills and the
+    compact decode still give generate's replies (before the fix: a crash and garbage)."""
+    gen = _invariance_gen(tiny_model_dir, batch_size=16, max_new_tokens=12)
+    assert gen.cache_kw == "past_key_values"
+    prompts = _prompts_with_shared_prefixes(16)
+    out = _all_modes(gen, prompts)
+    assert _fields(out["compact"]) == _fields(out["generate"])
+    assert _fields(out["shared"]) == _fields(out["generate"])
+    assert len({r.text for r in out["generate"]}) > 8          # not one degenerate reply for all
+
+
+@pytest.mark.integration
+def test_real_model_replies_do_not_depend_on_the_batch():
+    """The embedded model, default settings: 8 bench prompts in one batch, in batches of 3 in reverse
+    order and one by one give byte-identical replies."""
+    from memtoc.bench import bench_prompts
+    prompts = bench_prompts(8)
+    gen = models.load_generator("smollm2-135m-instruct", max_new_tokens=24, show_progress=False)
+    want = _by_prompt(prompts, gen.generate(prompts))
+    gen.batch_size = 3
+    assert _by_prompt(prompts[::-1], gen.generate(prompts[::-1])) == want
+    gen.batch_size = 1
+    assert _by_prompt(prompts, gen.generate(prompts)) == want

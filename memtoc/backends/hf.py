@@ -1,4 +1,21 @@
-"""transformers backend: greedy, batched, left-padded, shared prefixes computed once, bf16 where fast.
+"""transformers backend: greedy, batched, left-padded, shared prefixes computed once; replies that
+do not depend on the batch (float32 on CPU, with a canonical tie-break).
+
+Batch invariance (``dtype="auto"`` on CPU = float32, ``tie_margin``): a reply must not depend on
+which other prompts share its batch (batch size, order, a resume, a cache repair), since the cache
+key ignores the batch. No CPU kernel guarantees bit-identical rows across batch shapes: measured
+here, a float32 ``linear`` row differs in its last bits between 1, 2-15 and 16+ rows, a bf16 one
+between <=32 and 33+ rows (lm head), and attention reductions shift with the left padding. In bf16
+this moves logits by up to 1.0 (same prompts, different batches) and flips greedy tokens (18 of 90
+closed-book replies with ``batch_size=8`` vs ``auto``); in float32 by at most ~4e-5. So float32 is
+the CPU default, and a greedy step whose top-2 logit margin is below ``tie_margin`` (default 2e-3
+in float32, ~50x the measured batch noise; 0 = off, the default in bf16/fp16, whose noise is too
+large to guard) is decided by the *canonical* computation instead: one forward of that row's
+prompt + reply so far alone (batch 1, no padding, no cache), which does not depend on the batch.
+Every other step has a margin far above the noise, so every composition picks the same token; by
+induction the replies are identical (tested: batch sizes, orders, the loop, a repaired cache).
+``decode_stats["tie_recomputes"]`` counts the canonical forwards. GPU ``auto`` stays bf16/fp16,
+which is not batch-invariant.
 
 Batching: prompts are tokenized once and cut into batches, in token order when shared-prefix
 prefill is on (the default with the compact loop: prompts that share a prefix - a formulation's
@@ -22,8 +39,23 @@ near-tie greedy tokens about as often as changing the batch composition does (me
 episodes: 86 of 120 plain-bf16 and 88 of 120 shared-bf16 replies equal the float32 reply). Like the
 batch size it is therefore not part of the cache identity.
 
-Attention (``attention="auto"``): SDPA on GPU; on CPU ``memtoc_cpu`` = SDPA for the prefill and a
-plain grouped-query matmul for one-token decode steps (see :func:`cpu_decode_attention`).
+Attention (``attention="auto"``, :func:`memtoc.models.attention_implementation`): SDPA on GPU; on
+CPU ``memtoc_cpu`` = SDPA for the prefill and a plain grouped-query matmul for one-token decode
+steps (see :func:`cpu_decode_attention`); ``eager`` on every device for models that soft-cap their
+attention logits (gemma-2), as SDPA cannot.
+
+transformers versions: the KV cache is passed under the keyword the loaded model's ``forward``
+takes (``cache`` from transformers 5.24, ``past_key_values`` before; an older forward swallows an
+unknown ``cache=`` in its ``**kwargs`` and runs without one), and every forward checks that the
+cache grew by its input length (:class:`GenerationError` otherwise), so a mismatch can never
+silently produce garbage replies.
+
+Sliding-window models (gemma-2, gemma-3: ``layer_types`` with ``sliding_attention``): the compact
+loop keeps every key and passes explicit per-layer-type masks (position-based, the window applied
+exactly as transformers' ``sliding_window_overlay``: a key is seen when ``q - k < window``) for
+the prefills and decode steps. Architectures the compact loop does not reimplement (logits
+processors in the generation config, other cache layer kinds, an attention kernel that takes no
+4-D mask) use ``model.generate``: logged once at load and recorded in ``info["decode_path"]``.
 
 Early stop (``stop_at_final=True``, part of the decoding settings and so of the cache key): a
 sequence is finished once its reply holds a completed ``FINAL:`` answer line (marker, non-empty
@@ -46,20 +78,44 @@ rule, same ``Reply`` fields, so it is not part of the cache identity:
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 from tqdm.auto import tqdm
-from transformers import StoppingCriteria
+from transformers import LogitsProcessor, StoppingCriteria
 
-from ..config import ConfigError
+from ..config import ConfigError, MemtocError
 from .base import Generator, Reply, final_line_done
+
+log = logging.getLogger(__name__)
 
 
 CPU_ATTENTION = "memtoc_cpu"
 DECODE_LOOPS = ("compact", "generate")
+MASK_KERNELS = ("sdpa", CPU_ATTENTION, "eager")   # attention kernels that take the loop's 4-D masks
+FLOAT32_TIE_MARGIN = 2e-3   # ~50x the largest float32 logit change between batch compositions (4.4e-5)
+
+
+class GenerationError(MemtocError):
+    """The installed transformers does not run memtoc's decode loop as expected."""
+
+
+def cache_keyword(model) -> str:
+    """The keyword under which ``model.forward`` takes the KV cache: ``cache`` (transformers >= 5.24)
+    or ``past_key_values`` (earlier). Read from the signature, never guessed: an unknown keyword
+    would land in ``**kwargs`` and the forward would run without a cache."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    import transformers
+    raise GenerationError(f"{type(model).__name__}.forward (transformers {transformers.__version__}) takes "
+                          "neither `cache` nor `past_key_values`; set the transformers backend option "
+                          "decode: generate, or install transformers >= 5.20")
 
 
 def cpu_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -109,7 +165,7 @@ def resolve_dtype(dtype: str, device: str):
     if dtype == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16  # ~2.5x faster than fp32 on this CPU (measured by the lead)
+        return torch.float32  # batch-invariant replies (module docstring); bf16 is faster but is not
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 
 
@@ -198,6 +254,14 @@ def _compact_layer_class():
     return CompactLayer
 
 
+def _sliding_window(config) -> Optional[int]:
+    """The window of a model with sliding-window layers (``layer_types`` has ``sliding_attention``:
+    gemma-2, gemma-3, ...), else None."""
+    kinds = getattr(config, "layer_types", None) or []
+    w = getattr(config, "sliding_window", None)
+    return int(w) if w and "sliding_attention" in kinds else None
+
+
 def _fill_holes(keep: list[int]) -> list[int]:
     """Old batch positions for the new rows 0..n-1 (``keep`` sorted, n = len(keep)): kept rows below
     n stay where they are, the kept rows at n or above move into the freed places below n. Only as
@@ -244,6 +308,24 @@ class _StopCriteria(StoppingCriteria):
         return torch.tensor([e is not None for e in self.end], dtype=torch.bool, device=input_ids.device)
 
 
+class _TieGuard(LogitsProcessor):
+    """``generate``'s version of the compact loop's canonical tie-break: a row whose top-2 scores
+    are closer than the generator's ``tie_margin`` gets the canonical token (all other scores -inf).
+    ``prompts``: each row's prompt ids without padding; ``P``: the padded prompt width."""
+
+    def __init__(self, gen, prompts: list[list[int]], P: int, stop: _StopCriteria):
+        self.gen, self.prompts, self.P, self.stop = gen, prompts, P, stop
+
+    def __call__(self, input_ids, scores):
+        for i in self.gen._near_ties(scores):
+            if self.stop.end is not None and self.stop.end[i] is not None:
+                continue  # a finished row: its later tokens are discarded
+            t = self.gen._canonical_next(self.prompts[i] + input_ids[i, self.P:].tolist())
+            scores[i] = float("-inf")
+            scores[i, t] = 0.0
+        return scores
+
+
 class TransformersGenerator(Generator):
     backend = "transformers"
 
@@ -252,11 +334,12 @@ class TransformersGenerator(Generator):
                  device: Optional[str] = None, token_budget: Optional[int] = None,
                  max_batch: Optional[int] = None, num_threads: Optional[int] = None,
                  attention: str = "auto", show_progress: bool = True, decode: str = "compact",
-                 share_prefix: bool = True, min_shared_tokens: int = 8, prefill_tokens: Optional[int] = None):
+                 share_prefix: bool = True, min_shared_tokens: int = 8, prefill_tokens: Optional[int] = None,
+                 tie_margin: Optional[float] = None):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from ..models import adapter_hash, weights_hash
+        from ..models import adapter_hash, attention_implementation, weights_hash
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -278,7 +361,12 @@ class TransformersGenerator(Generator):
         # counters of the compact loop, summed over calls: batches, decode steps, decoded row-steps,
         # prompt tokens actually run (fewer than given when prefixes are shared), prefill forward calls
         self.decode_stats = {"batches": 0, "row_steps": 0, "steps": 0,
-                             "prompt_tokens_computed": 0, "prefill_calls": 0}
+                             "prompt_tokens_computed": 0, "prefill_calls": 0, "tie_recomputes": 0}
+        if tie_margin is None:
+            tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 else 0.0
+        if not isinstance(tie_margin, (int, float)) or isinstance(tie_margin, bool) or tie_margin < 0:
+            raise ConfigError(f"transformers backend option tie_margin must be a number >= 0, got {tie_margin!r}")
+        self.tie_margin = float(tie_margin)
         self.share_prefix = bool(share_prefix)
         self.min_shared_tokens = int(min_shared_tokens)
         self.prefill_tokens = int(prefill_tokens or (32768 if gpu else 8192))
@@ -287,9 +375,9 @@ class TransformersGenerator(Generator):
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        if attention == "auto":
-            attention = "sdpa" if gpu else register_cpu_attention()
-        elif attention == CPU_ATTENTION:
+        config = AutoConfig.from_pretrained(self.path)
+        attention = attention_implementation(config, attention, self.device)
+        if attention == CPU_ATTENTION:
             register_cpu_attention()
         self.attention = attention
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.torch_dtype,
@@ -306,13 +394,25 @@ class TransformersGenerator(Generator):
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.eos_ids.discard(None)
         self.newline_ids = self._newline_token_ids()
+        self.cache_kw = cache_keyword(self.model)
+        self.sliding_window = _sliding_window(self.model.config)
+        why = self._compact_unsupported()
+        self._compact_checked = why is None
+        # what this generator runs (not part of the cache identity: every path gives the same replies)
+        self.info = {"decode_path": self.decode if why is None else "generate", "compact_unsupported": why,
+                     "cache_keyword": self.cache_kw, "sliding_window": self.sliding_window,
+                     "attention": self.attention}
+        if why is not None and self.decode == "compact":
+            log.warning("%s: the compact decode loop does not support this model (%s); using "
+                        "model.generate", spec.name, why)
         super().__init__({
             "model": spec.name, "weights_sha256": weights_hash(self.path, cache_dir),
             "adapter_sha256": a_hash, "backend": self.backend,
             "prompt_format": {"chat": spec.chat, "system_turn": spec.system_turn},
             "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
                          "stop_at_final": self.stop_at_final, "attention": self.attention,
-                         "dtype": str(self.torch_dtype).replace("torch.", "")},
+                         "dtype": str(self.torch_dtype).replace("torch.", ""),
+                         "tie_margin": self.tie_margin},
         })
 
     def _newline_token_ids(self) -> set[int]:
@@ -404,38 +504,119 @@ class TransformersGenerator(Generator):
         return self._decode_generate(input_ids, attn)
 
     def _compact_ok(self) -> bool:
-        """The compact loop reimplements plain greedy decoding only: models whose generation config
-        asks for logits processors (repetition penalty, suppressed tokens, ...) or whose cache is not
-        a plain dynamic cache (sliding windows, linear attention) use ``generate``."""
-        ok = getattr(self, "_compact_checked", None)
-        if ok is None:
-            from transformers import DynamicCache
-            from transformers.cache_utils import DynamicLayer
-            gc = self.model.generation_config
-            plain = ((gc.repetition_penalty in (None, 1.0)) and not gc.no_repeat_ngram_size
-                     and not gc.bad_words_ids and not gc.suppress_tokens and not gc.begin_suppress_tokens
-                     and not gc.min_length and not gc.min_new_tokens and gc.forced_bos_token_id is None
-                     and gc.forced_eos_token_id is None and not gc.sequence_bias
-                     and getattr(gc, "encoder_repetition_penalty", None) in (None, 1.0)
-                     and not self.model.config.is_encoder_decoder)
-            try:
-                cache = DynamicCache(config=self.model.config)
-                plain = plain and bool(cache.layers) and all(type(x) is DynamicLayer for x in cache.layers)
-            except Exception:  # a model whose cache cannot be built from its config alone
-                plain = False
-            ok = self._compact_checked = plain
-        return ok
+        return self._compact_checked
+
+    def _compact_unsupported(self) -> Optional[str]:
+        """Why the compact loop cannot run this model, or None. It reimplements plain greedy decoding
+        over full or sliding-window attention layers: models whose generation config asks for logits
+        processors (repetition penalty, suppressed tokens, ...), whose cache layers are of another
+        kind (linear attention, chunked, ...) or whose attention kernel takes no 4-D mask use
+        ``generate``."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+        gc = self.model.generation_config
+        plain = ((gc.repetition_penalty in (None, 1.0)) and not gc.no_repeat_ngram_size
+                 and not gc.bad_words_ids and not gc.suppress_tokens and not gc.begin_suppress_tokens
+                 and not gc.min_length and not gc.min_new_tokens and gc.forced_bos_token_id is None
+                 and gc.forced_eos_token_id is None and not gc.sequence_bias
+                 and getattr(gc, "encoder_repetition_penalty", None) in (None, 1.0))
+        if not plain:
+            return "the generation config asks for logits processors"
+        if self.model.config.is_encoder_decoder:
+            return "encoder-decoder model"
+        if self.attention not in MASK_KERNELS:
+            return f"attention kernel {self.attention!r} takes no 4-D mask"
+        kinds = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        if kinds - {"full_attention", "sliding_attention"}:
+            return f"layer types {sorted(kinds)}"
+        if getattr(self.model.config, "sliding_window", None) and not getattr(self.model.config, "layer_types", None) \
+                and getattr(self.model.config, "use_sliding_window", True):
+            return "a sliding window without per-layer types"
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except Exception as e:  # a model whose cache cannot be built from its config alone
+            return f"no cache from the config ({type(e).__name__})"
+        allowed = (DynamicLayer, DynamicSlidingWindowLayer) if self.sliding_window else (DynamicLayer,)
+        if not cache.layers or not all(type(x) in allowed for x in cache.layers):
+            return f"cache layers {sorted({type(x).__name__ for x in cache.layers})}"
+        return None
+
+    # -- masks (sliding-window models, eager attention) -------------------------------------------
+    def _mask_value(self, keep):
+        """A 4-D boolean keep-mask as the attention kernel wants it: boolean for SDPA and memtoc_cpu,
+        additive (0 / dtype min) for eager, which adds the mask to the scores."""
+        import torch
+        if self.attention == "eager":
+            return torch.zeros(keep.shape, dtype=self.torch_dtype, device=keep.device).masked_fill(
+                ~keep, torch.finfo(self.torch_dtype).min)
+        return keep
+
+    def _position_masks(self, key_valid, key_pos, q_pos, q_valid):
+        """Per-layer-type masks from positions: query i of row r (position ``q_pos[r, i]``, the last
+        ``S`` columns) sees key column c when it holds a real token (``key_valid``) at a position
+        ``key_pos[r, c] <= q_pos[r, i]``, and on sliding-window layers also ``q - k < window``. A
+        padding query sees only its own column (a query that sees nothing gives NaN keys / values).
+        A dict {layer type: (n, 1, S, C) mask} for sliding-window models, else the full mask."""
+        import torch
+        n, S = q_pos.shape
+        C = key_pos.shape[1]
+        own = torch.zeros((S, C), dtype=torch.bool, device=key_pos.device)
+        own[torch.arange(S), C - S + torch.arange(S)] = True
+        dist = q_pos[:, :, None] - key_pos[:, None, :]                               # n, S, C
+        full = key_valid[:, None, :] & (dist >= 0)
+        pad_q = ~q_valid[:, :, None]
+        masks = {"full_attention": torch.where(pad_q, own, full)}
+        if self.sliding_window:
+            masks["sliding_attention"] = torch.where(pad_q, own, full & (dist < self.sliding_window))
+        masks = {k: self._mask_value(m[:, None]) for k, m in masks.items()}
+        return masks if self.sliding_window else masks["full_attention"]
+
+    def _forward(self, cache, expect: int, **kw):
+        """``model(...)`` with ``cache`` under the model's own keyword; checks that the cache now
+        holds ``expect`` columns (an older transformers that ignores the keyword would otherwise
+        decode from nothing and return garbage)."""
+        out = self.model(**{self.cache_kw: cache}, use_cache=True, return_dict=True, **kw)
+        got = cache.get_seq_length()
+        if got != expect:
+            import transformers
+            raise GenerationError(
+                f"transformers {transformers.__version__}: {type(self.model).__name__} did not fill the KV cache "
+                f"passed as `{self.cache_kw}` ({got} columns, expected {expect}); the compact decode loop cannot "
+                "run with this version. Set the transformers backend option decode: generate, or install "
+                "the transformers version in memtoc's lock")
+        return out
+
+    # -- the canonical tie-break ----------------------------------------------------------------
+    def _canonical_next(self, ids: list[int]) -> int:
+        """Greedy next token of one sequence computed alone (batch 1, no padding, no cache): the
+        batch-independent decision for a near-tie step (see the module docstring)."""
+        import torch
+        self.decode_stats["tie_recomputes"] += 1
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, use_cache=False, logits_to_keep=1, return_dict=True)
+        return int(torch.argmax(out.logits[0, -1].to(torch.float32)))
+
+    def _near_ties(self, logits) -> list[int]:
+        """Rows whose top-2 logits are closer than ``tie_margin``."""
+        import torch
+        if self.tie_margin <= 0 or logits.shape[-1] < 2:
+            return []
+        top = torch.topk(logits.to(torch.float32), 2, dim=-1).values
+        return ((top[:, 0] - top[:, 1]) < self.tie_margin).nonzero().flatten().tolist()
 
     def _decode_generate(self, input_ids, attn) -> list[tuple[list[int], str]]:
         """``model.generate`` on the whole batch; finished rows keep decoding until the last ends."""
         import torch
         P = input_ids.shape[1]
         stop = _StopCriteria(self.tokenizer, P, self.eos_ids, self.newline_ids, self.stop_at_final)
+        lens = attn.sum(-1).tolist()
+        prompts = [input_ids[r, P - n:].tolist() for r, n in enumerate(lens)]
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attn, max_new_tokens=self.max_new_tokens,
                 do_sample=False, temperature=None, top_p=None, top_k=None,
-                pad_token_id=self.tokenizer.pad_token_id, stopping_criteria=[stop])
+                pad_token_id=self.tokenizer.pad_token_id, stopping_criteria=[stop],
+                logits_processor=[_TieGuard(self, prompts, P, stop)] if self.tie_margin > 0 else None)
         rows = []
         for row in range(input_ids.shape[0]):
             end = stop.end[row] if stop.end and stop.end[row] is not None else out.shape[1]
@@ -451,28 +632,35 @@ class TransformersGenerator(Generator):
         (see :func:`_compact_layer_class`)."""
         import torch
 
-        model = self.model
-        B = input_ids.shape[0]
+        B, P = input_ids.shape
         new: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
         active = list(range(B))                  # batch row -> original row
+        lens = attn.sum(-1).tolist()
+        prompt_ids: dict[int, list[int]] = {}    # a row's prompt without padding, for the tie-break
         with torch.inference_mode():
             if self.share_prefix and B > 1:
                 cache, logits = self._prefill_shared(input_ids, attn)
             else:
                 cache, logits = self._prefill_plain(input_ids, attn)
             last_pos = attn.long().sum(-1) - 1
+            pad = P - attn.long().sum(-1)        # column of a token = its position + its row's padding
             # columns each row attends to in a decode step: its prompt, then the tokens decoded so
             # far; as wide as the cache buffer (see _compact_layer_class)
-            P = input_ids.shape[1]
             valid = torch.zeros((B, P + self.max_new_tokens), dtype=torch.bool, device=input_ids.device)
             valid[:, :P] = attn.bool()
+            cols = torch.arange(valid.shape[1], device=input_ids.device)
             stats = self.decode_stats
             stats["batches"] += 1
             for step in range(self.max_new_tokens):
                 stats["steps"] += 1
                 stats["row_steps"] += len(active)
                 nxt = torch.argmax(logits.to(dtype=torch.float32), dim=-1)
+                for a in self._near_ties(logits):
+                    r = active[a]
+                    if r not in prompt_ids:
+                        prompt_ids[r] = input_ids[r, P - lens[r]:].tolist()
+                    nxt[a] = self._canonical_next(prompt_ids[r] + new[r])
                 del logits
                 keep = []
                 for a, t in enumerate(nxt.tolist()):
@@ -493,12 +681,16 @@ class TransformersGenerator(Generator):
                     idx = torch.tensor(keep, device=nxt.device)
                     cache.batch_select_indices(idx)
                     active = [active[a] for a in keep]
-                    nxt, last_pos, valid = nxt[idx], last_pos[idx], valid[idx]
+                    nxt, last_pos, valid, pad = nxt[idx], last_pos[idx], valid[idx], pad[idx]
                 valid[:, P + step] = True
                 last_pos = last_pos + 1
-                logits = model(input_ids=nxt[:, None], attention_mask=valid[:, None, None, :],
-                               position_ids=last_pos[:, None], cache=cache, use_cache=True,
-                               logits_to_keep=1, return_dict=True).logits[:, -1]
+                if self.sliding_window or self.attention == "eager":
+                    mask = self._position_masks(valid, cols[None, :] - pad[:, None], last_pos[:, None],
+                                                torch.ones((len(active), 1), dtype=torch.bool, device=valid.device))
+                else:
+                    mask = valid[:, None, None, :]
+                logits = self._forward(cache, P + step + 1, input_ids=nxt[:, None], attention_mask=mask,
+                                       position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
         return [(new[r], reason[r]) for r in range(B)]
 
     def _new_cache(self, capacity: int):
@@ -511,10 +703,13 @@ class TransformersGenerator(Generator):
     def _prefill_plain(self, input_ids, attn):
         """One forward over the left-padded batch: (cache, last logits)."""
         pos = (attn.long().cumsum(-1) - 1).masked_fill(attn == 0, 0)
-        mask = None if bool((attn == 1).all()) else attn
+        if self.sliding_window:
+            mask = self._position_masks(attn.bool(), pos, pos, attn.bool())
+        else:
+            mask = None if bool((attn == 1).all()) else attn
         cache = self._new_cache(input_ids.shape[1] + self.max_new_tokens)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1, return_dict=True)
+        out = self._forward(cache, input_ids.shape[1], input_ids=input_ids, attention_mask=mask,
+                            position_ids=pos, logits_to_keep=1)
         self.decode_stats["prompt_tokens_computed"] += int(attn.sum())
         return cache, out.logits[:, -1]
 
@@ -571,10 +766,16 @@ class TransformersGenerator(Generator):
                         mask[j, W - s.start:W] = 1
                         past[j, W - s.start:] = torch.tensor(slots(s.parent))
                 inp, mask, pos, past = inp.to(dev), mask.to(dev), pos.to(dev), past.to(dev)
+                starts = torch.tensor([s.start for s in chunk], device=dev)
                 cache = self._cache_from_store(store_k, store_v, past, W + S) if W else self._new_cache(W + S)
-                out = self.model(input_ids=inp, attention_mask=None if bool((mask == 1).all()) else mask,
-                                 position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1,
-                                 return_dict=True)
+                if self.sliding_window:  # masks from positions: the gap between past and segment
+                    key_pos = torch.cat([(torch.arange(W, device=dev)[None, :] - W + starts[:, None]).clamp(min=0),
+                                         pos], 1)
+                    masks = self._position_masks(mask.bool(), key_pos, pos, mask[:, W:].bool())
+                else:
+                    masks = None if bool((mask == 1).all()) else mask
+                out = self._forward(cache, W + S, input_ids=inp, attention_mask=masks, position_ids=pos,
+                                    logits_to_keep=1)
                 if not store_k:
                     for layer in cache.layers:
                         _, hk, _, dk = layer.buf_k.shape
