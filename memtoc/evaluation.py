@@ -119,6 +119,7 @@ CELLS = ("agree", "arb", "tool_gold", "both_wrong", "mem_absent")
 FOUR_CELLS = ("agree", "arb", "tool_gold", "both_wrong")
 PROMPTING_ARMS = ("warn", "prior", "flag")
 PAYLOAD_DEFAULT = "service_unavailable"
+REFERENCE_FORMULATION = FORMULATIONS[0]      # "reference": the paper's pv0
 
 # Metrics beyond memtoc.metrics.RATE_METRICS (whose definitions are used for every metric they
 # name): condition-level rates with no cell filter, used by the frames and noop analyses.
@@ -667,6 +668,23 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
     return out
 
 
+def add_reference_contrasts(section: dict, scored: pd.DataFrame, arm: str, metric_names: Sequence[str],
+                            n_boot: int, n_perm: int, seed: int) -> dict:
+    """Add ``contrasts_reference`` (the arm vs untreated on the Reference formulation alone, as the
+    paper reports the protocol-sentence ablation) beside the pooled ``contrasts`` (in place)."""
+    if arm not in section:
+        return section
+    qk = set(scored.loc[scored["arm"] == arm, "qkey"])
+    base = _restrict(_sel(scored), qk)
+    base, treat = (d[d["formulation"] == REFERENCE_FORMULATION] for d in (base, _sel(scored, arm=arm)))
+    if treat.empty:
+        return section
+    section[arm]["contrasts_reference"] = {
+        m: contrast(metric_units(treat, m), metric_units(base, m), n_boot, n_perm, seed, arm, "untreated")
+        for m in metric_names}
+    return section
+
+
 def add_success(section: dict, alpha: float = 0.05) -> dict:
     """Add the asymmetric success criterion to each arm of a prompting section (in place):
     retention up significantly after Holm AND no significant drop in correct-tool following."""
@@ -724,6 +742,10 @@ def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = No
         for k, v in rate_intervals(uf, forms, n_boot, seed).items():
             out["far"].setdefault(k, {})[m] = v
         out["contrasts"][m] = contrast(uf, un, n_boot, n_perm, seed, "far", "near")
+        ref = REFERENCE_FORMULATION
+        if ref in forms:     # the paper reports far vs near on the Reference formulation (pv0)
+            out.setdefault("contrasts_reference", {})[m] = contrast(
+                uf[uf["formulation"] == ref], un[un["formulation"] == ref], n_boot, n_perm, seed, "far", "near")
     return out
 
 
@@ -846,6 +868,7 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
         out["prompting"] = prompting
     protocol = arm_comparison(scored, ("no_protocol_sentence",), mets, "protocol", **kw)
     if protocol:
+        add_reference_contrasts(protocol, scored, "no_protocol_sentence", mets, n_boot, n_perm, seed)
         out["protocol"] = protocol
     for name, fn in (("frames", frames_comparison), ("far", far_comparison),
                      ("payloads", payload_comparison), ("noop", noop_comparison)):
@@ -950,8 +973,11 @@ def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dic
 
 
 def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = HEADLINE_METRICS) -> dict:
-    """Ranking stability of the models on each headline metric (``stats.ranking_stability``): an
-    ordering counts only if it holds pooled and under every formulation."""
+    """Ranking stability of the models on each headline metric (``stats.ranking_stability``): the
+    paper's rule is the FULL ordering, pooled and under every formulation (``full_order_stable``);
+    ``pairs`` / ``stable_pairs`` are a weaker pairwise reading, labelled as such. A base model is
+    compared on the Reference formulation only (``reference_order``)."""
+    reference_only = base_models(model_summaries)
     from . import stats
 
     out = {}
@@ -961,7 +987,98 @@ def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str
                        key=lambda f: FORMULATIONS.index(f) if f in FORMULATIONS else 99)
         per = {f: {mod: s["headline"].get(f, {}).get(m, {}).get("value") for mod, s in model_summaries.items()}
                for f in forms}
-        out[m] = _plain(stats.ranking_stability(per, pooled))
+        out[m] = _plain(stats.ranking_stability(per, pooled, reference_only=reference_only))
+    return out
+
+
+def base_models(names: Iterable[str]) -> list[str]:
+    """The base (non-chat) models among ``names`` (memtoc.models registry; unknown names are taken
+    as instruction-tuned). The paper compares the base model on the Reference formulation only."""
+    from . import models as _models
+
+    out = []
+    for n in names:
+        try:
+            if not _models.get_model(n).chat:
+                out.append(n)
+        except MemtocError:
+            pass
+    return out
+
+
+def final_line_compliance(responses: Iterable[Optional[str]]) -> dict:
+    """Share of replies that carry a ``FINAL:`` line (``scoring.has_final_line``), App. D."""
+    from .scoring import has_final_line
+
+    flags = [has_final_line(r) for r in responses]
+    return {"n": len(flags), "rate": float(np.mean(flags)) if flags else None}
+
+
+def closed_book_agreement(forced: pd.DataFrame, permissive: pd.DataFrame) -> dict:
+    """Forced vs permissive closed-book passes of one model (App. D), per formulation and pooled
+    over (question, formulation): ``n`` pairs, ``both_answered`` (neither pass abstains),
+    ``same_correctness`` (share of the both-answered pairs whose memory_correct agrees),
+    ``permissive_abstained`` (share of pairs where only the permissive pass abstains: the
+    memories the forced pass adds)."""
+    on = ["formulation", "qkey"]
+    m = forced[on + ["mem_absent", "memory_correct"]].merge(
+        permissive[on + ["mem_absent", "memory_correct"]], on=on, suffixes=("_f", "_p"))
+    out: dict[str, Any] = {}
+    for f in [x for x in FORMULATIONS if x in set(m["formulation"])] + ["pooled"]:
+        d = m if f == "pooled" else m[m["formulation"] == f]
+        fa, pa = d["mem_absent_f"].astype(bool), d["mem_absent_p"].astype(bool)
+        both = d[~fa & ~pa]
+        out[f] = {"n": int(len(d)), "both_answered": int(len(both)),
+                  "same_correctness": float((both["memory_correct_f"].astype(bool)
+                                             == both["memory_correct_p"].astype(bool)).mean()) if len(both) else None,
+                  "permissive_abstained": float((pa & ~fa).mean()) if len(d) else None}
+    return out
+
+
+def closed_book_section(scored: pd.DataFrame, memory: pd.DataFrame | None, run_dir, model_label: str) -> dict:
+    """FINAL-line compliance of the with-tool replies and of the forced closed-book replies, and the
+    forced-vs-permissive agreement when the run elicited the permissive pass (App. D)."""
+    from .elicitation import load_memory
+
+    out: dict[str, Any] = {}
+    if "response" in scored.columns:
+        out["final_line_with_tool"] = final_line_compliance(scored["response"].tolist())
+    if memory is not None and "response" in memory.columns:
+        out["final_line_closed_book"] = final_line_compliance(memory["response"].tolist())
+    if memory is not None and run_dir is not None:
+        try:
+            perm = load_memory(run_dir, model_label, "permissive")
+        except DataError:
+            perm = None
+        if perm is not None:
+            out["forced_vs_permissive"] = closed_book_agreement(memory, perm)
+    return _plain(out)
+
+
+def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = ("retention", "wrong_follow"),
+                        alpha: float = 0.05) -> dict:
+    """Unpaired cross-model contrasts (App. E): per metric, two-proportion z-tests on the Reference
+    formulation's counts (the base model is reported there only), Holm over every model pair, and
+    the planned base-vs-instruct family (base minus each instruct) when the run has a base model.
+    ``{metric: {"all_pairs": {"a|b": {...}}, "base_vs_instruct": {...}}}``."""
+    out: dict[str, Any] = {}
+    names = list(model_summaries)
+    if len(names) < 2:
+        return out
+    bases = set(base_models(names))
+    for m in metric_names:
+        counts = {}
+        for mod, s in model_summaries.items():
+            iv = (s["headline"].get(REFERENCE_FORMULATION) or {}).get(m) or {}
+            if iv.get("value") is not None and iv.get("n"):
+                counts[mod] = (int(round(iv["value"] * iv["n"])), int(iv["n"]))
+        if len(counts) < 2:
+            continue
+        sec = {"formulation": REFERENCE_FORMULATION, "all_pairs": stats.two_proportion_holm(counts, alpha=alpha)}
+        pairs = [(b, i) for b in bases if b in counts for i in counts if i not in bases]
+        if pairs:
+            sec["base_vs_instruct"] = stats.two_proportion_holm(counts, pairs, alpha, "base_vs_instruct_retention")
+        out[m] = _plain(sec)
     return out
 
 
@@ -972,6 +1089,10 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
     kw = dict(formulations=forms, n_boot=int(P.get("n_boot", 2000)), n_perm=int(P.get("n_perm", 10000)),
               seed=0, alpha=float(P.get("alpha", 0.05)))
     models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
+    for m, df in scored_by_model.items():
+        cb = closed_book_section(df, (memory_by_model or {}).get(m), P.get("run_dir"), m)
+        if cb:
+            models[m]["closed_book"] = cb
     applied = apply_families(models, kw["alpha"])
     families = {f: {**stats.families_summary()[f], "members": applied.get(f, {})} for f in EVALUATION_FAMILIES}
     return _plain({
@@ -984,6 +1105,7 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
         "models": models,
         "holm_families": families,
         "ranking_stability": ranking_section(models),
+        "cross_model": cross_model_section(models, alpha=kw["alpha"]),
     })
 
 

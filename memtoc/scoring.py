@@ -73,6 +73,12 @@ def _lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.splitlines() if ln.strip()]
 
 
+def has_final_line(text: Optional[str]) -> bool:
+    """Whether a reply carries a ``FINAL:`` marker at all (PROTOCOL §1's pattern): FINAL-line
+    compliance, reported per model (App. D)."""
+    return bool(text) and _MARKER.search(text) is not None
+
+
 def extract_final(text: Optional[str]) -> str:
     """The answer span of a reply (PROTOCOL §1): the first line after the last ``FINAL:`` marker.
 

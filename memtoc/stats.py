@@ -249,9 +249,9 @@ def holm_family(family: str | HolmFamily, members: Mapping[str, Mapping[str, Any
     """Holm-correct one declared family: ``members`` maps member keys (``FAMILIES[f].key(...)``) to
     contrast dicts carrying ``p`` or ``p_signflip``. Returns new dicts with ``p_holm``,
     ``significant`` and ``family`` added; members without a p-value get ``p_holm`` None."""
-    fam = FAMILIES[family] if isinstance(family, str) else family
     if isinstance(family, str) and family not in FAMILIES:
         raise StatsInputError(f"unknown Holm family {family!r}; declared: {', '.join(FAMILIES)}")
+    fam = FAMILIES[family] if isinstance(family, str) else family
     return holm_families({fam.name: members}, alpha)[fam.name]
 
 
@@ -263,7 +263,7 @@ def families_summary() -> dict[str, dict[str, Any]]:
 
 
 def two_proportion_holm(counts: Mapping[str, tuple[int, int]], pairs: Optional[Sequence[tuple[str, str]]] = None,
-                        alpha: float = 0.05) -> dict[str, dict[str, Any]]:
+                        alpha: float = 0.05, family: str = "cross_model_pairs") -> dict[str, dict[str, Any]]:
     """Unpaired cross-model contrasts (App. E): a two-proportion z-test per pair of ``counts``
     ({model: (k, n)}), Holm over the pairs. ``pairs`` defaults to every pair (the 10-pair family of
     five models); pass the planned base-vs-instruct pairs for that family. Keys "a|b"; diff = a - b."""
@@ -273,7 +273,7 @@ def two_proportion_holm(counts: Mapping[str, tuple[int, int]], pairs: Optional[S
     for a, b in pairs:
         (k1, n1), (k2, n2) = counts[a], counts[b]
         res[f"{a}|{b}"] = two_proportion_z(int(k1), int(n1), int(k2), int(n2))
-    return holm_families({"cross_model_pairs": res}, alpha)["cross_model_pairs"]
+    return holm_family(family, res, alpha)
 
 
 def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> dict[str, Any]:

@@ -328,3 +328,42 @@ def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_pa
     g3 = KeyedFake(answer)
     reps3 = ev.generate_replies(g3, "fake", eps, tmp_path)
     assert g3.calls == [] and all(r.cached for r in reps3)
+
+
+def test_cross_model_closed_book_and_reference_contrasts(run):
+    """Issue 12 items 8 and 14: far vs near and the protocol ablation also on the Reference
+    formulation; two-proportion tests over model pairs with Holm; FINAL-line compliance; forced vs
+    permissive agreement."""
+    P, eps, mem, gen, rd, df = run
+    d2 = df.assign(model="fake2")
+    s = ev.evaluation_summary({"fake": df, "fake2": d2}, {"fake": mem, "fake2": mem}, dict(P, n_boot=50, n_perm=50))
+    m = s["models"]["fake"]
+    assert set(m["far"]["contrasts_reference"]) >= {"retention", "wrong_follow"}
+    assert "retention" in m["protocol"]["no_protocol_sentence"]["contrasts_reference"]
+    pair = s["cross_model"]["retention"]["all_pairs"]["fake|fake2"]
+    assert pair["diff"] == 0 and pair["family"] == "cross_model_pairs"
+    assert 0 <= m["closed_book"]["final_line_with_tool"]["rate"] <= 1
+    forced = pd.DataFrame({"formulation": "reference", "qkey": ["a", "b", "c", "d"],
+                           "mem_absent": [False, False, False, False], "memory_correct": [True, False, True, True]})
+    perm = forced.assign(mem_absent=[False, False, True, False], memory_correct=[True, True, None, True])
+    ag = ev.closed_book_agreement(forced, perm)["pooled"]
+    assert ag == {"n": 4, "both_answered": 3, "same_correctness": pytest.approx(2 / 3), "permissive_abstained": 0.25}
+    assert ev.final_line_compliance(["x\nFINAL: y", "no marker", None]) == {"n": 3, "rate": pytest.approx(1 / 3)}
+
+
+def test_finetune_families_span_models_and_objectives():
+    """Issue 12 item 6 for fine-tuning: retention and correct-tool following are each one Holm family
+    over models x objectives per slice; the diagnostics stay uncorrected; the criterion is recomputed."""
+    def c(p, d=0.1):
+        return {"delta": d, "p": p, "p_holm": p}
+    summ = {"models": {m: {"objectives": {o: {"deltas": {
+        "retention": {"pooled": c(p), "reference": c(p)}, "tool_follow": {"pooled": c(0.5, -0.01)},
+        "wrong_follow": {"pooled": c(0.01)}}} for o, p in (("sft", 0.01), ("dpo", 0.04))}} for m in ("a", "b")}}
+    applied = ev.apply_finetune_families(summ)
+    fam = applied["finetune_retention"]["pooled"]
+    assert set(fam) == {"a|sft", "a|dpo", "b|sft", "b|dpo"}
+    assert fam["a|dpo"] == pytest.approx(0.08)            # 2 x 0.04 after the two 0.01s
+    d = summ["models"]["a"]["objectives"]["dpo"]
+    assert d["deltas"]["wrong_follow"]["pooled"]["p_holm"] is None
+    assert d["criterion"]["passed"] is False and summ["models"]["a"]["objectives"]["sft"]["criterion"]["passed"]
+    assert "members" in summ["holm_families"]["finetune_retention"]

@@ -282,3 +282,35 @@ def test_run_benchmark_small():
     res = stats.run_benchmark(n_questions=40, n_boot=100, n_perm=200, repeats=1)
     assert res["n_episodes"] == 40 * 3 * 4 and res["seconds_metric_set_bootstrap"] > 0
     json.dumps(res, allow_nan=False)
+
+
+# ------------------------------------------------------------------------------------------ families
+def test_families_are_declared_data_and_corrected_per_family():
+    assert {"finetune_retention", "finetune_tool_follow", "prompting_retention", "frames_retention",
+            "far_retention"} <= set(stats.FAMILIES)
+    fam = stats.FAMILIES["prompting_retention"]
+    assert fam.axes == ("model", "strategy") and fam.key("m", "warn") == "m|warn"
+    members = {fam.key(m, a): {"p": p} for (m, a), p in
+               zip([(m, a) for m in ("x", "y") for a in ("warn", "prior", "flag")], [.001, .02, .03, .04, .2, .5])}
+    out = stats.holm_family("prompting_retention", members)
+    assert out["x|warn"]["p_holm"] == pytest.approx(0.006) and out["x|warn"]["family"] == "prompting_retention"
+    with pytest.raises(stats.StatsInputError, match="unknown Holm family"):
+        stats.holm_family("nope", members)
+
+
+def test_two_proportion_holm_over_model_pairs():
+    counts = {"a": (30, 100), "b": (10, 100), "c": (12, 100)}
+    res = stats.two_proportion_holm(counts)
+    assert set(res) == {"a|b", "a|c", "b|c"}
+    raw = {k: stats.two_proportion_z(*counts[k.split("|")[0]], *counts[k.split("|")[1]])["p"] for k in res}
+    assert {k: v["p_holm"] for k, v in res.items()} == pytest.approx(stats.holm(raw))
+    base = stats.two_proportion_holm(counts, [("a", "b"), ("a", "c")], family="base_vs_instruct_retention")
+    assert set(base) == {"a|b", "a|c"} and base["a|b"]["family"] == "base_vs_instruct_retention"
+
+
+def test_ranking_rule_is_the_full_ordering_and_the_base_is_compared_on_reference():
+    per = {"reference": {"a": 1, "b": 2, "base": 0.5}, "paraphrase_a": {"a": 1, "b": 3, "base": None}}
+    res = stats.ranking_stability(per, {"a": 1, "b": 2.5, "base": 0.5}, reference_only=["base"])
+    assert "FULL ordering" in res["rule"] and "pairwise" in res["pairwise_note"]
+    assert res["orders"]["pooled"] == ["a", "b"] and res["full_order_stable"]
+    assert res["reference_order"] == ["base", "a", "b"]
