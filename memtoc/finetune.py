@@ -37,7 +37,10 @@ Evaluation (all generation of this stage: transformers backend, :func:`eval_gene
     per held-out question. Paired changes adapter − untreated use ``evaluation.contrast`` on the
     case-stable common support (units (formulation, qkey) in the metric's cell for both
     checkpoints; ``n_treated_only`` / ``n_untreated_only`` count the rest), question-cluster bootstrap
-    CI, sign-flip p; Holm within each model × objective family; the asymmetric success criterion is
+    CI, sign-flip p; Holm inside the paper's families (``stats.FAMILIES``: retention, and correct-tool
+    following, each over models × objectives in every slice; applied by
+    ``evaluation.apply_finetune_families``; the other metrics are uncorrected diagnostics); the
+    asymmetric success criterion is
     ``stats.success_criterion``.
 
 Files
@@ -86,10 +89,10 @@ only / the untreated model only. Rates in [0, 1]. ``<form>`` is a formulation or
                                                         "first_loss", "final_loss",
                                                         "closed_book": closed-book count object}
     /models/<model>/untreated_closed_book               closed-book count object (held-out questions)
-    /models/<model>/objectives/<objective>/deltas/<metric>/<form>   delta object; families:
-                                                        pooled = the four metrics' pooled deltas;
-                                                        per_formulation = the four metrics × the
-                                                        formulations
+    /models/<model>/objectives/<objective>/deltas/<metric>/<form>   delta object; ``family`` names its
+                                                        Holm family (retention / tool_follow over
+                                                        models x objectives, per slice); None for the
+                                                        diagnostics (p_holm None)
     /models/<model>/objectives/<objective>/criterion    stats.success_criterion on the pooled
                                                         retention and tool_follow deltas (Holm p):
                                                         {"passed", "retention_up", "tool_drop",

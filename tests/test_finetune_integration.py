@@ -36,6 +36,27 @@ def test_train_a_real_adapter_and_evaluate_it_held_out(tmp_path):
     assert m["adapters"]["sft"]["fold0"]["resumed"] is False
     d = m["objectives"]["sft"]["deltas"]["err_abstain"]["pooled"]
     assert d["n_units"] == 2 and d["delta"] is not None
+    assert (d["n_treated_only"], d["n_untreated_only"]) == (0, 0)     # no cell: the same support
+
+    # the adapter's own forced closed-book answers, and its episodes scored against them
+    own = [json.loads(line) for line in (ad / "closed_book_forced.jsonl").read_text().splitlines()]
+    assert len(own) == 2 and {r["model"] for r in own} == {"smollm2-135m-instruct__sft__fold0"}
+    span = {r["qkey"]: ("" if r["mem_absent"] else r["span"]) for r in own}
+    assert all(r["memory_span"] == span[r["qkey"]] or r["mem_absent"] for r in scored)
+    base = [json.loads(line) for line in
+            (run_dir / "adapters" / "smollm2-135m-instruct" / "untreated_closed_book_forced.jsonl").read_text().splitlines()]
+    cb = m["adapters"]["sft"]["fold0"]["closed_book"]["all"]
+    assert cb["n"] == 2 and cb["n_correct"] + cb["n_incorrect"] + cb["n_absent"] == 2
+    assert cb["untreated_n_correct"] == sum(bool(r["memory_correct"]) and not r["mem_absent"] for r in base
+                                            if r["qkey"] in span)
+    assert m["objectives"]["sft"]["closed_book"]["all"]["n"] == 2
+    # every delta carries its support: adapter cell units = common + treated-only
+    arb = sum(r["condition"] == "tool_wrong" and r["cell"] == "arb" for r in scored)
+    ret = m["objectives"]["sft"]["deltas"]["retention"]["pooled"]
+    assert ret["n_units"] + ret["n_treated_only"] == arb
+    for metric, by_form in m["objectives"]["sft"]["deltas"].items():
+        for form, c in by_form.items():
+            assert {"n_treated_only", "n_untreated_only"} <= set(c), (metric, form)
     assert "passed" in m["objectives"]["sft"]["criterion"]
     on_disk = json.loads((run_dir / "summaries" / "finetuning.json").read_text())
     assert on_disk["models"]["smollm2-135m-instruct"]["objectives"]["sft"]["n_episodes"] == 6
