@@ -375,6 +375,8 @@ def test_adapter_scored_against_its_own_memory_on_common_support():
                                           "untreated_n_correct": 3, "untreated_n_incorrect": 3,
                                           "untreated_n_absent": 0, "n_changed": 2}
     assert "n_changed" not in F.closed_book_counts(mem_u)["all"]
+    cbt = F.closed_book_table({"models": {"m": {"adapters": {"sft": {"fold0": {"closed_book": c}}}}}})
+    assert list(cbt["formulation"]) == ["reference", "all"] and list(cbt["n_changed"]) == [2, 2]
 
 
 # ----------------------------------------------------------------------------------------------
