@@ -20,6 +20,16 @@ What a run does, in order:
    that are missing are skipped with a notice; ``04_*`` is skipped when ``finetune.enabled`` is false.
    ``--only`` restricts the run to some notebooks (by full stem ``03_evaluation`` or number ``03``).
 
+Before the first notebook: ``release_dir`` is resolved once against the working directory of the
+invocation (``resolve_paths``; the notebooks get the absolute path), and model names, the
+``finetune`` block and the question counts are checked (``preflight``). During the run the run
+directory is locked (``runlock``: a second run stops with one line naming the holder; a stale lock
+of a killed run is taken over). config.json's ``stages`` records, per stage, the parameters its
+outputs were computed from (``stage_params``); a run that would feed a stage outputs computed with
+other parameters is refused (``stale_inputs``). ``--dry-run`` prints the plan with request counts
+and estimates (``memtoc.dryrun``) without loading weights; the kernel reports generation progress
+to ``memtoc run`` through ``memtoc.progress``.
+
 Nothing here deletes anything under the run directory: the generation cache
 (``generations/``) survives interruptions, and a rerun is served from it.
 """
@@ -426,8 +436,11 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
                     entry.update(status="failed", finished=_now())
             try:
                 _write_json(cfg_path, cfg)
-            except OSError:
-                pass
+            except OSError:  # no room for a temp file: rewrite in place (truncating frees its blocks)
+                try:
+                    cfg_path.write_text(json.dumps(_jsonable(cfg), indent=2, ensure_ascii=False) + "\n")
+                except OSError:
+                    pass  # effective_status() still reads it as "interrupted" once the lock is gone
         raise PipelineError(f"cannot write under {rd}: {e.strerror or e}"
                             + (f" ({e.filename})" if getattr(e, "filename", None) else "")
                             + "; free some space or choose another output_root, then rerun the same "
