@@ -20,11 +20,14 @@ Files written by :func:`evaluate`::
 -----------------------------------------------------------------------------------
 An *interval object* is ``{"value": float|null, "ci95": [lo, hi]|null, "n": int}`` (rates in [0, 1];
 ``n`` = the denominator in episodes; ``value`` null when ``n`` is 0; pooled headline entries add
-``n_formulations``). A *contrast object* is ``{"delta", "ci95", "p", "p_holm", "n_units",
-"n_clusters", "treatment", "baseline"}``: the paired difference treatment − baseline on common
-support, units (formulation, qkey) clustered by qkey, question-cluster bootstrap CI and sign-flip
-permutation p (``stats.paired_contrast``), ``p_holm`` Holm-adjusted within the family named below
-(null when the contrast is in no family). ``<form>`` is a formulation (reference, paraphrase_a,
+``n_formulations``; pooled intervals add ``n_boot_used``, the bootstrap replicates in which every
+formulation drew a unit: the interval rests on those). A *contrast object* is ``{"delta", "ci95",
+"p", "p_holm", "family", "n_units", "n_clusters", "n_treated_only", "n_untreated_only",
+"treatment", "baseline"}``: the paired difference treatment − baseline on common support, units
+(formulation, qkey) clustered by qkey, question-cluster bootstrap CI and sign-flip permutation p
+(``stats.paired_contrast``), ``p_holm`` Holm-adjusted within the paper's family
+(``stats.FAMILIES``, listed under ``/holm_families``; null for the diagnostics, which the paper
+leaves uncorrected), ``n_treated_only`` / ``n_untreated_only`` the units outside the common support. ``<form>`` is a formulation (reference, paraphrase_a,
 paraphrase_b) or ``pooled`` = the unweighted mean over formulations (the paper's pooling; CI from
 question clusters resampled jointly across formulations). ::
 
@@ -50,8 +53,9 @@ question clusters resampled jointly across formulations). ::
     /models/<model>/prompting/untreated/<form>/<metric>   interval object on the same questions
     /models/<model>/prompting/<arm>/<form>/<metric>  interval object; arms warn, prior, flag; metrics
                                                      retention, tool_follow, wrong_follow, err_abstain
-    /models/<model>/prompting/<arm>/contrasts/<metric>    contrast object vs untreated; family
-                                                     "prompting/<metric>" = the three arms
+    /models/<model>/prompting/<arm>/contrasts/<metric>    contrast object vs untreated; retention in
+                                                     the family prompting_retention (models ×
+                                                     strategies), the other metrics uncorrected
     /models/<model>/prompting/<arm>/success          stats.success_criterion: {"passed": bool,
                                                      "retention_up", "tool_drop", "retention_delta",
                                                      "retention_p", "tool_delta", "tool_p", "alpha",
@@ -64,12 +68,14 @@ question clusters resampled jointly across formulations). ::
                                                      same questions), no_schema, passage; metrics
                                                      correct_value_follow (tool_right, all episodes),
                                                      incorrect_value_follow (tool_wrong, all episodes),
-                                                     tool_follow, wrong_follow (cell-restricted)
-    /models/<model>/frames/<frame>/contrasts/<metric>     contrast vs schema; family = the two frames
+                                                     retention, tool_follow, wrong_follow (cell-restricted)
+    /models/<model>/frames/<frame>/contrasts/<metric>     contrast vs schema (retention too); retention
+                                                     in frames_retention (models × frames)
     /models/<model>/far/n_common                     int: questions with both a far and a near episode
     /models/<model>/far/<near|far>/<form>/<metric>   interval object: retention, wrong_follow,
                                                      incorrect_value_follow on the common support
-    /models/<model>/far/contrasts/<metric>           contrast far − near; family {retention, wrong_follow}
+    /models/<model>/far/contrasts/<metric>           contrast far − near; retention in far_retention
+                                                     (models)
     /models/<model>/payloads/n_questions             int
     /models/<model>/payloads/<kind>/<form>/err_abstain    interval object; kinds service_unavailable
                                                      (the paper's), timeout, permission_denied
@@ -87,10 +93,28 @@ question clusters resampled jointly across formulations). ::
     /models/<model>/matcher_sensitivity/changed_decisions/<field>   share of headline episodes whose
                                                      followed_tool / kept_memory / final_correct / cell
                                                      changes
+    /models/<model>/formulation_spread/<metric>      max − min of the headline rate over formulations
+                                                     (metrics.formulation_spread; the paper's §5.3)
+    /models/<model>/far/contrasts_reference/<metric> far − near on the Reference formulation alone
+    /models/<model>/protocol/no_protocol_sentence/contrasts_reference/<metric>   likewise
+    /models/<model>/closed_book                      {"final_line_with_tool": {"n", "rate"},
+                                                     "final_line_closed_book", "forced_vs_permissive":
+                                                     {<form>|pooled: {"n", "both_answered",
+                                                     "same_correctness", "permissive_abstained"}}} (App. D)
+    /holm_families/<family>                          {"metric", "axes", "slices", "description",
+                                                     "members": {member: p_holm}}: prompting_retention
+                                                     (models × strategies), frames_retention (models ×
+                                                     frames), far_retention (models); pooled slice
     /ranking_stability/<metric>                      stats.ranking_stability over the models, for the
-                                                     four headline metrics: {"orders": {"pooled": [...],
-                                                     <form>: [...]}, "pairs", "stable_pairs",
-                                                     "full_order_stable"}
+                                                     four headline metrics: {"rule", "orders":
+                                                     {"pooled": [...], <form>: [...]},
+                                                     "full_order_stable" (the paper's rule: the full
+                                                     ordering everywhere), "reference_order" (with a
+                                                     base model, Reference only), "pairwise_note",
+                                                     "pairs", "stable_pairs" (a weaker pairwise reading)}
+    /cross_model/<metric>                            {"formulation": "reference", "all_pairs": {"a|b":
+                                                     two-proportion z-test + p_holm}, "base_vs_instruct"}
+                                                     (App. E; retention and wrong_follow)
 
 Sections whose episodes are absent from the run (an extra arm turned off) are omitted.
 """
@@ -1264,12 +1288,15 @@ def matcher_table(summary: dict) -> pd.DataFrame:
 
 
 def ranking_table(summary: dict) -> pd.DataFrame:
-    """One row per headline metric: the pooled model order and whether it holds everywhere."""
+    """One row per headline metric: the full orderings (pooled and per formulation) and whether the
+    full ordering holds everywhere (the paper's rule); the pairwise reading is a separate, labelled
+    column; a base model appears only in the Reference ordering."""
     rows = []
     for metric, r in (summary.get("ranking_stability") or {}).items():
         orders = r.get("orders", {})
         rows.append({"metric": metric, "pooled_order": " < ".join(orders.get("pooled", [])),
-                     "full_order_stable": r.get("full_order_stable"),
-                     "stable_pairs": ", ".join(r.get("stable_pairs", [])),
-                     **{f"order_{f}": " < ".join(o) for f, o in orders.items() if f != "pooled"}})
+                     **{f"order_{f}": " < ".join(o) for f, o in orders.items() if f != "pooled"},
+                     "full_order_stable (paper's rule)": r.get("full_order_stable"),
+                     "reference_order (incl. base)": " < ".join(r.get("reference_order", [])),
+                     "pairwise reading (not the paper's rule)": ", ".join(r.get("stable_pairs", []))})
     return pd.DataFrame(rows)

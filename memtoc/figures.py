@@ -35,7 +35,7 @@ METRIC_LABELS = {
     "cra_arb": "Accuracy (arb)",
     "cra_conflict": "Conflict\naccuracy",
     "agree_acc": "Agreement\naccuracy",
-    "nc_acc": "No-conflict\naccuracy",
+    "nc_acc": "No-conflict accuracy\n(= correct-tool following\nunder greedy decoding)",
 }
 FORM_ORDER = ("reference", "paraphrase_a", "paraphrase_b", "pooled")
 
