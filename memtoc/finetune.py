@@ -117,7 +117,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from .config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice
-from .models import ModelError, get_model
+from .models import ModelError, attention_implementation, get_model
 from .records import Episode, Question
 
 SCHEMA_VERSION = 2
@@ -628,10 +628,11 @@ def check_training_tokens(tokenizer, spec, prompts: Sequence[str]) -> None:
                                 f"{want[:6]}...); refusing to train on a context the model never sees")
 
 
-def train_attention(config) -> Optional[str]:
-    """attn_implementation for training: eager for models with attention logit soft-capping
-    (gemma-2: SDPA and flash kernels drop the soft-capping), else None (transformers' default)."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+def train_attention(config, device: str = "cpu") -> str:
+    """attn_implementation for training (``models.attention_implementation``, the generation
+    backend's rule): eager for models with attention logit soft-capping (gemma-2: SDPA drops the
+    soft-capping), else SDPA."""
+    return attention_implementation(config, "auto", device, training=True)
 
 
 def load_train_model(base_path, ft: dict[str, Any]):
@@ -639,9 +640,8 @@ def load_train_model(base_path, ft: dict[str, Any]):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
-    attn = train_attention(AutoConfig.from_pretrained(base_path))
-    kw = {"attn_implementation": attn} if attn else {}
-    return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, **kw)
+    attn = train_attention(AutoConfig.from_pretrained(base_path), "cuda" if torch.cuda.is_available() else "cpu")
+    return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation=attn)
 
 
 def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: dict[str, Any], out_dir,

@@ -97,10 +97,16 @@ def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
     assert old["gradient_checkpointing"] is True and "activation_checkpointing" not in old
 
 
-def test_softcapping_models_train_with_eager_attention():
-    from transformers import Gemma2Config, LlamaConfig
+def test_softcapping_models_train_with_eager_attention(tmp_path):
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig
+    cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "g2")
+    model = F.load_train_model(tmp_path / "g2", F.finetune_params(load_params(None)))
+    assert model.config._attn_implementation == "eager"
     assert Gemma2Config().attn_logit_softcapping and F.train_attention(Gemma2Config()) == "eager"
-    assert F.train_attention(LlamaConfig()) is None
+    assert F.train_attention(Gemma2Config(), "cuda") == "eager"
+    assert F.train_attention(LlamaConfig()) == "sdpa"
 
 
 @pytest.mark.parametrize("bad, field", [
