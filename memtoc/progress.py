@@ -72,7 +72,7 @@ class Watcher:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._last: Optional[str] = None
-        self._last_t = 0.0
+        self._last_t = time.monotonic()   # the first line comes after ``interval`` (or at a finish)
 
     def check(self) -> Optional[str]:
         """Echo the current state if it changed and ``interval`` passed (or it finished a stage)."""
