@@ -703,7 +703,8 @@ def plot(summary: dict[str, Any], path) -> Path:
                                 label=arm if i == 0 else None)
             ax.set_xticks(range(len(groups)))
             ax.set_xticklabels(groups, rotation=25, ha="right")
-            ax.legend(frameon=False, fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(frameon=False, fontsize=8)
         else:
             ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
         ax.axhline(0, color="grey", lw=0.8)
