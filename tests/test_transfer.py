@@ -266,6 +266,9 @@ def test_transfer_params_and_config():
     assert tr["formulations"] == ["reference", "paraphrase_a"] and tr["enabled"]
     with pytest.raises(ConfigError, match="transfer.frames"):
         transfer_params({"transfer": {"frames": ["table"]}})
+    with pytest.raises(ConfigError, match="transfer.extra_adapters"):
+        transfer_params({"transfer": {"extra_adapters": {"untreated": "/x"}}})
+    assert transfer_params({"transfer": {"extra_adapters": {"pool575_dpo": "/a"}}})["extra_adapters"] == {"pool575_dpo": "/a"}
     with pytest.raises(ConfigError, match="unknown transfer key"):
         transfer_params({"transfer": {"n_items": 3}})
     with pytest.raises(ConfigError, match="'transfer'"):

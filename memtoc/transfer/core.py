@@ -106,6 +106,7 @@ TR_DEFAULTS: dict[str, Any] = {
     "forward_objectives": ["sft", "dpo"],
     "forward_folds": [0],              # which of notebook 04's fold adapters to read (any: none saw this set)
     "adapters_from": None,             # None: this run's adapters/; else another run directory
+    "extra_adapters": {},              # {arm name: peft adapter dir}, e.g. adapters trained on the full 575 pool
     "reverse": True,                   # train and evaluate the reverse-transfer adapter
     "reverse_max_steps": 2,            # optimizer steps of the reverse DPO (-1: one epoch)
     "reverse_batch_size": 2,
@@ -166,6 +167,13 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         fail("forward_folds", "must be a list drawn from [0, 1]")
     if t["adapters_from"] is not None and not isinstance(t["adapters_from"], str):
         fail("adapters_from", "must be null (this run) or a run directory")
+    ea = t["extra_adapters"]
+    if ea is None:
+        t["extra_adapters"] = ea = {}
+    if not isinstance(ea, dict) or not all(isinstance(k, str) and k and k != "untreated" and "/" not in k
+                                           and isinstance(v, str) and v for k, v in ea.items()):
+        fail("extra_adapters", "must be a mapping {arm name: adapter directory} (names other than 'untreated', "
+                               "without '/')")
     ms = t["reverse_max_steps"]
     if not isinstance(ms, int) or isinstance(ms, bool) or ms == 0 or ms < -1:
         fail("reverse_max_steps", f"must be -1 (one epoch) or a positive integer, got {ms!r}")
@@ -496,6 +504,11 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
         # 2. forward: notebook 04's adapters
         found = find_adapters(adapter_root, label, tr["forward_objectives"], tr["forward_folds"])
+        for arm, d in tr["extra_adapters"].items():
+            if not (Path(d) / "adapter_config.json").is_file():
+                raise TransferError(f"transfer.extra_adapters.{arm}: {d} is not a peft adapter directory "
+                                    "(no adapter_config.json)")
+            found[arm] = Path(d)
         ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under {adapter_root}/adapters/"
                               f"{label}/ for objectives {tr['forward_objectives']} folds {tr['forward_folds']}; "
                               "run 04 first (finetune.enabled) for forward transfer")
@@ -503,8 +516,9 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
             t1 = time.time()
             agen = models.load_generator(model, adapter=path, **gen_kw)
             try:
-                obj, fold = arm.split("_fold")
-                treated = run_arm(agen, f"{label}__{obj}__fold{fold}", arm, episodes, run_dir)
+                gen_label = (f"{label}__{arm.replace('_fold', '__fold')}" if arm not in tr["extra_adapters"]
+                             else f"{label}__extra__{arm}")
+                treated = run_arm(agen, gen_label, arm, episodes, run_dir)
             finally:
                 _close(agen)
             _write(out_dir / model / f"scored_{arm}.jsonl", treated)
