@@ -55,7 +55,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from .. import evaluation, finetune, models, prompts
+from .. import elicitation, evaluation, finetune, models, prompts
 from ..benchmark import load_benchmark, select_questions
 from ..config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, resolve_release_dir
 from ..records import Question
@@ -488,8 +488,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         try:
             base = run_arm(gen, label, "untreated", episodes, run_dir)
             if tr["reverse"]:
-                rq = select_questions(bench.analysis, P["n_questions"], P.get("seed", PAPER_SEED))
-                rq = rq[:tr["reverse_eval_questions"]]
+                rq, r_sel = reverse_eval_questions(bench, P, tr, label)
                 r_eps = finetune.eval_episodes(rq, list(P.get("formulations") or FORMULATIONS), ft["eval_conditions"])
                 memory = evaluation.ensure_memory(gen, label, bench, r_eps, P)
                 r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", "paper"))
@@ -533,12 +532,32 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         # 3. reverse: DPO on the external set only, evaluated on MemToC
         if tr["reverse"]:
             t1 = time.time()
-            ms["reverse"] = reverse(P, tr, ft, cf, bench, model, r_eps, memory, r_base, gen_kw, progress)
+            ms["reverse"] = {**reverse(P, tr, ft, cf, bench, model, r_eps, memory, r_base, gen_kw, progress),
+                             "eval_selection": r_sel}
             timing[f"{model}/reverse"] = round(time.time() - t1, 1)
         summary["models"][model] = ms
     timing["total"] = round(time.time() - t0, 1)
     write_summary(summary, run_dir)
     return summary
+
+
+def reverse_eval_questions(bench, P: dict[str, Any], tr: dict[str, Any], label: str) -> tuple[list[Question], str]:
+    """The MemToC questions the reverse adapter is scored on: ``reverse_eval_questions`` of the run's
+    headline selection, those the untreated model answers correctly closed-book in some formulation
+    (notebook 02's file, when present) first, so that retention (arb cell) has units at small sizes.
+    Both arms are scored on the same questions, so the comparison stays paired; the population is
+    stated in ``eval_selection``."""
+    sel = select_questions(bench.analysis, P["n_questions"], P.get("seed", PAPER_SEED))
+    n = tr["reverse_eval_questions"]
+    try:
+        mem = elicitation.load_memory(P["run_dir"], label, P.get("closed_book_variant", "forced"))
+    except MemtocError:
+        return sel[:n], "the first questions of the run's headline selection (no closed-book file of notebook 02)"
+    right = set(mem.loc[mem["memory_correct"].astype(object).eq(True), "qkey"])
+    order = [q for q in sel if q.qkey in right] + [q for q in sel if q.qkey not in right]
+    k = sum(q.qkey in right for q in order[:n])
+    return order[:n], (f"the run's headline selection, memory-right questions first (notebook 02): "
+                       f"{k} of {n} answered correctly closed-book in some formulation")
 
 
 def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, progress=True) -> dict[str, Any]:
