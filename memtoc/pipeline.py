@@ -56,6 +56,7 @@ import yaml
 from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
 from .config import REPO_ROOT, ConfigError, MemtocError, load_params, resolve_release_dir, run_dir
+from .transfer import transfer_params
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
@@ -298,6 +299,7 @@ def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>
         except models.ModelError as e:
             raise ConfigError(f"{source}: field 'judge.model': {e}") from None
     ft = finetune.finetune_params(params, source)
+    transfer_params(params, source)   # the transfer block (06), checked before 01 starts
     bench = load_benchmark(params.get("release_dir"))
     n = len(bench.analysis)
     for field in ("n_questions", "n_questions_extra"):
