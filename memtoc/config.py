@@ -97,7 +97,7 @@ DEFAULTS: dict[str, Any] = {
     "extra_arms": ["far", "payloads", "noop", "prompting", "frames", "no_protocol_sentence"],
     # scoring and statistics
     "matcher": "paper",              # paper | strict
-    "n_boot": 2000,
+    "n_boot": 1000,                 # the release's bootstrap size (PROTOCOL §6)
     "n_perm": 10000,
     "alpha": 0.05,
     # fine-tuning

@@ -612,7 +612,7 @@ def _restrict(df: pd.DataFrame, qkeys: Iterable[str]) -> pd.DataFrame:
 
 
 def headline_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
-                     n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
+                     n_boot: int = stats.DEFAULT_N_BOOT, seed: int = 0, alpha: float = 0.05) -> dict:
     """``{form|pooled: {metric: interval, n_<cell>: int}}`` for one model's untreated, schema-frame,
     default-payload episodes (every question of the run), from ``metrics.summarize_group``: every
     metric of ``metrics.RATE_METRICS`` (the four headline ones and the secondary ones) with a
@@ -654,7 +654,7 @@ def source_matrix(scored: pd.DataFrame, formulations: Sequence[str] | None = Non
 
 
 def arm_comparison(scored: pd.DataFrame, arms: Sequence[str], metric_names: Sequence[str],
-                   family: str, formulations: Sequence[str] | None = None, n_boot: int = 2000,
+                   family: str, formulations: Sequence[str] | None = None, n_boot: int = stats.DEFAULT_N_BOOT,
                    n_perm: int = 10000, seed: int = 0) -> dict:
     """Arms vs untreated on the arms' common support (the questions the arms were run on).
 
@@ -724,7 +724,7 @@ def add_success(section: dict, alpha: float = 0.05) -> dict:
 
 
 def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
-                      n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+                      n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """Presentation frames (schema / no_schema / passage), untreated arm: correct-value following
     (tool_right) and incorrect-value following (tool_wrong) separately, all episodes and
     cell-restricted; contrasts vs schema on common support (Holm across the two frames)."""
@@ -742,7 +742,7 @@ def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None =
 
 
 def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
-                   n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+                   n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """Far vs near incorrect values on common support ((formulation, qkey) with both): retention
     and incorrect-tool following; contrasts far − near, Holm over the two metrics."""
     far = _sel(scored, conditions=["tool_far"])
@@ -774,7 +774,7 @@ def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = No
 
 
 def payload_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
-                       n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+                       n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """Error-abstention per tool_error payload kind; contrasts vs the paper's default payload
     (service_unavailable) on common support, Holm across the other kinds."""
     d = _sel(scored, payload_kind=None, conditions=["tool_error"])
@@ -796,7 +796,7 @@ def payload_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None 
 
 
 def noop_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
-                    n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+                    n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """NoopTool control vs no_tool (the closed-book answer): answer accuracy and abstention over
     all episodes, on common support; contrasts noop − no_tool, Holm over the two metrics."""
     noop = _sel(scored, conditions=["noop"])
@@ -867,7 +867,7 @@ def matcher_sensitivity(scored: pd.DataFrame, memory: pd.DataFrame, formulations
 
 
 def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
-                  formulations: Sequence[str] | None = None, n_boot: int = 2000, n_perm: int = 10000,
+                  formulations: Sequence[str] | None = None, n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000,
                   seed: int = 0, alpha: float = 0.05) -> dict:
     """Every analysis of one model's scored frame (see the module docstring for the layout)."""
     kw = dict(formulations=formulations, n_boot=n_boot, n_perm=n_perm, seed=seed)
@@ -1110,7 +1110,7 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
                        P: dict) -> dict:
     """The content of ``summaries/evaluation.json`` for a run (``P`` = the run's parameters)."""
     forms = list(P.get("formulations") or FORMULATIONS)
-    kw = dict(formulations=forms, n_boot=int(P.get("n_boot", 2000)), n_perm=int(P.get("n_perm", 10000)),
+    kw = dict(formulations=forms, n_boot=int(P.get("n_boot", stats.DEFAULT_N_BOOT)), n_perm=int(P.get("n_perm", 10000)),
               seed=0, alpha=float(P.get("alpha", 0.05)))
     models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
     for m, df in scored_by_model.items():
