@@ -137,8 +137,12 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
             n, what = n03, "with-tool episodes (core conditions + extra arms), closed-book served by 02"
         elif s.number == "04":
             n, what = None, ""
-        else:
+        elif s.number in ("01", "08", "09"):
             lines.append(f"  {s.name:<18} no generation")
+            continue
+        else:
+            lines.append(f"  {s.name:<18} requests not estimated here (see its notebook)")
+            unknown_time = True
             continue
         if s.number == "04":
             plans, examples = finetune.plan(P, bench)

@@ -185,6 +185,8 @@ class LazyGenerator(Generator):
     def load(self) -> Generator:
         if self._real is not None:
             return self._real
+        progress.report(f"loading {self.signature.get('model', 'the model')} ({self.backend})", 0, 1, time.time(),
+                        unit="model")
         self._real = self._factory()
         real = self._real.identity
         if real != self._recorded and self._store is not None:
