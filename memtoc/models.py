@@ -385,14 +385,14 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
                              batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens, options=opts)
     if backend == "transformers":
         from .backends.hf import TransformersGenerator
-        return LazyGenerator(lambda: TransformersGenerator(
-            spec, path, adapter=adapter, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
-            cache_dir=cache_dir, **opts), sig, model_cache_root(cache_dir) / "_identities", backend)
+        return LazyGenerator.of(TransformersGenerator, (spec, path), dict(
+            adapter=adapter, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
+            cache_dir=cache_dir, **opts), sig, model_cache_root(cache_dir) / "_identities")
     if backend == "vllm":
         from .backends.vllm import VLLMGenerator
-        return LazyGenerator(lambda: VLLMGenerator(spec, path, adapter=adapter, dtype=dtype,
-                                                   max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts),
-                             sig, model_cache_root(cache_dir) / "_identities", backend)
+        return LazyGenerator.of(VLLMGenerator, (spec, path), dict(
+            adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts),
+            sig, model_cache_root(cache_dir) / "_identities")
     from .backends.openai import OpenAIGenerator
     opts.pop("model_cache_dir", None)
     return OpenAIGenerator(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)
