@@ -462,6 +462,14 @@ def test_generate_replies_all_cached_does_not_load(tmp_path):
     assert [r.text for r in again] == [r.text for r in first] and not g.loaded and Fake.loads == 1
 
 
+def test_unknown_backend_option_fails_at_load_generator_not_at_the_first_miss():
+    from memtoc import models
+    with pytest.raises(ConfigError, match="temprature.*its options are: adapter"):
+        models.load_generator("smollm2-135m-instruct", temprature=0.5)
+    g = models.load_generator("smollm2-135m-instruct", max_new_tokens=3)
+    assert isinstance(g, LazyGenerator) and not g.loaded
+
+
 @pytest.mark.integration
 def test_real_model_second_run_does_not_load_weights(tmp_path):
     from memtoc import models

@@ -11,6 +11,7 @@ rerun whose replies are all cached never loads the model.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from .. import cache as _cache
 from .. import progress
-from ..config import MemtocError
+from ..config import ConfigError, MemtocError
 
 
 @dataclass
@@ -164,6 +165,18 @@ class LazyGenerator(Generator):
         except (OSError, ValueError):
             return None
         return d.get("identity") if isinstance(d, dict) and d.get("signature") == self.signature else None
+
+    @classmethod
+    def of(cls, backend_cls: type, args: tuple, kwargs: dict[str, Any], signature: dict[str, Any],
+           store: Optional[Path]) -> "LazyGenerator":
+        """A lazy ``backend_cls(*args, **kwargs)``; the arguments are checked against its signature
+        now (an unknown backend option fails here, not at the first cache miss)."""
+        try:
+            inspect.signature(backend_cls).bind(*args, **kwargs)
+        except TypeError as e:
+            valid = [n for n in inspect.signature(backend_cls).parameters if n not in ("spec", "path")]
+            raise ConfigError(f"{backend_cls.backend} backend: {e}; its options are: {', '.join(valid)}") from None
+        return cls(lambda: backend_cls(*args, **kwargs), signature, store, backend_cls.backend)
 
     @property
     def loaded(self) -> bool:
