@@ -427,6 +427,7 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
                             "writable output_root (e.g. --set output_root=/tmp/memtoc-out)") from None
     cfg_path = rd / "config.json"
     cfg: dict[str, Any] = {}
+    saved_env = os.environ.get(progress.ENV)
     try:
         return _run_locked(params, only, log_output, steps, rd, cfg, executor, echo, lock)
     except OSError as e:
@@ -449,6 +450,10 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
                             "command to resume") from None
     finally:
         lock.release()
+        if saved_env is None:
+            os.environ.pop(progress.ENV, None)
+        else:
+            os.environ[progress.ENV] = saved_env
 
 
 def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
