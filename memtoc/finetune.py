@@ -169,6 +169,10 @@ FT_DEFAULTS: dict[str, Any] = {
                                            # construct.related_links). false = the paper's folds as released
 }
 
+#: Generator options that mean the same on every backend (carried from a vLLM / openai run's
+#: backend_options to 04's transformers generators).
+SHARED_BACKEND_OPTIONS = ("stop_at_final",)
+
 _TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_ratio", "lora_r",
                   "lora_alpha", "lora_dropout", "target_modules", "dpo_beta", "batch_size", "grad_accum",
                   "max_length", "train_dtype", "seed")
@@ -859,12 +863,16 @@ def eval_generator_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, An
     """``models.load_generator`` keyword arguments of this stage's generators (the untreated model
     and every adapter): always the transformers backend, whatever the run's ``backend``.
 
-    Options: the run's ``backend_options`` only when the run itself uses transformers (a vLLM run's
-    engine options such as ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to
-    TransformersGenerator), then ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``,
-    else the run's ``dtype``. Pure: loads nothing."""
-    opts = dict(P.get("backend_options") or {}) if P.get("backend", "transformers") == "transformers" else {}
-    opts.update(ft.get("backend_options") or {})
+    Options: the run's ``backend_options`` when the run itself uses transformers; otherwise only
+    the options every backend shares (:data:`SHARED_BACKEND_OPTIONS`, e.g. ``stop_at_final``, so that
+    04 extracts from replies generated like 03's) -- a vLLM run's engine options such as
+    ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to TransformersGenerator. Then
+    ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``, else the run's ``dtype``.
+    Pure: loads nothing."""
+    run_opts = dict(P.get("backend_options") or {})
+    if P.get("backend", "transformers") != "transformers":
+        run_opts = {k: v for k, v in run_opts.items() if k in SHARED_BACKEND_OPTIONS}
+    opts = {**run_opts, **(ft.get("backend_options") or {})}
     return dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
                 dtype=ft["eval_dtype"] or P.get("dtype", "auto"), max_new_tokens=P.get("max_new_tokens", 48),
                 model_cache_dir=P.get("model_cache_dir"), **opts)

@@ -69,6 +69,11 @@ def test_paper_params_give_04_transformers_options_only():
     assert set(kw) <= accepted, set(kw) - accepted
     assert "gpu_memory_utilization" not in kw and "max_model_len" not in kw
     assert kw["dtype"] == "bfloat16"
+    # options every backend shares (whole replies vs stop at the FINAL line) follow the run
+    Pv = load_params("params/paper.yaml", overrides={"backend_options": {"gpu_memory_utilization": 0.5,
+                                                                         "stop_at_final": False}})
+    kv = F.eval_generator_kwargs(Pv, F.finetune_params(Pv))
+    assert kv["stop_at_final"] is False and "gpu_memory_utilization" not in kv
     # a transformers run keeps its own options, finetune.backend_options on top
     Pt = load_params(None, overrides={"backend_options": {"token_budget": 4096, "decode": "compact"},
                                       "finetune": {"backend_options": {"token_budget": 2048}}})
