@@ -30,7 +30,7 @@ report, and flags digits in the report text that are not inside a marker (untagg
 :func:`resolve` reads a run's files and produces :class:`Claim` objects; :func:`write_claims`
 writes ``<run_dir>/paper/claims.json``; :func:`verify` re-derives every claim from its file and
 diffs the printed value; :func:`verify_published` re-derives the published paper's numbers that
-the release data supports (the ``published:`` part of the registry). ``memtoc verify`` is
+the release data supports, through memtoc's own analysis code (``memtoc/published.py``). ``memtoc verify`` is
 :func:`cli`.
 """
 from __future__ import annotations
