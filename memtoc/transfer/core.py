@@ -65,7 +65,7 @@ from .matcher import ABSTAIN, UNMATCHED_GAP, match_choice
 
 SCHEMA_VERSION = 1
 CONDITIONS = ("closed_book", "value", "passage", "unanswerable")
-FRAMES = ("value", "passage")                      # the two presentation frames (= data.POOLS)
+FRAMES = POOLS                                      # the two presentation frames (value, passage)
 PROMPT_FRAME = {"value": "schema", "passage": "passage", "unanswerable": "passage"}
 REVERSE_OBJECTIVE = "transfer_dpo"
 CLOSED_BOOK_BAND = 0.03
