@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install run test test-fast smoke bench clean-run gpucheck
+.PHONY: install run test test-fast smoke bench clean-run
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
