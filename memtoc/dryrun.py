@@ -34,7 +34,9 @@ BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "auto": 2.0, "float32": 4.0,
 GEN_TOKENS_PER_S_8B_BF16 = {"vllm": 2500.0, "transformers": 600.0}   # one A100-80GB, batched (assumed)
 TRAIN_TOKENS_PER_EXAMPLE = 200          # with-tool prompt (~170 tokens) + a short completion
 GPU_TFLOPS, MFU = 312.0, 0.35           # A100 bf16 peak, assumed utilisation of LoRA training
-ACT_GB_PER_TOKEN_PER_B = 0.0008         # activations per token per billion parameters (assumed)
+ACT_GB_PER_TOKEN_PER_B = 0.0004         # activations per token per billion parameters: gives ~43 GB for
+                                        # Llama-3.1-8B, batch 8, 512 tokens, no checkpointing (issue 18's
+                                        # review estimate: 40-46 GB); not measured here
 GPU_CLASSES_GB = (24, 40, 48, 80)       # common single GPUs; beyond 80 GB one GPU does not suffice
 GEN_NEW_TOKEN_SHARE = 0.5
 KV_CACHE_GB = 16.0
