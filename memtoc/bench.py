@@ -4,7 +4,7 @@ generation
     The same ``n`` with-tool prompts of the embedded model (reference formulation, the first
     questions of the deterministic selection, conditions tool_right / tool_wrong / tool_error in
     turn), generated twice with identical decoding settings (greedy, ``max_new_tokens``, the
-    FINAL-line stop, bf16): once one prompt at a time (a ``generate`` loop, batch size 1) and once
+    FINAL-line stop, the default dtype: float32 on CPU): once one prompt at a time (a ``generate`` loop, batch size 1) and once
     with the batched backend (``batch_size``; timed ``--repeats`` times, default 3, the median
     reported, every repeat listed; the loop runs once, its 64 prompts already span ~45 s). Reported
     per episode: seconds
@@ -12,9 +12,11 @@ generation
 
         (2 x non-embedding params x prompt tokens + 2 x params x new tokens) / matmul rate
 
-    where the rate is the best of a few bf16 ``torch.matmul`` (2048 x 2048) timings measured in the
-    same run; ``bound_ratio`` = batched seconds / bound. Also reported: how many replies differ
-    between the modes (bf16 batching may flip a greedy token), and, with ``--check-stop``, how often
+    where the rate is the best of a few ``torch.matmul`` (2048 x 2048) timings in the dtype the model
+    runs in, measured in the same run; ``bound_ratio`` = batched seconds / bound. Also reported: how
+    many replies differ between the modes (0 by construction in float32 with the tie-break, see
+    :mod:`memtoc.backends.hf`; bf16 batching may flip a greedy token), how many near-tie steps were
+    decided by the canonical batch-1 forward, and, with ``--check-stop``, how often
     the FINAL-line early stop changes the extracted answer (one extra batched run without it).
     The CPU is shared: run it at a quiet moment and read ``load_avg`` in the output.
     ``--decode`` picks the transformers decode loop for both modes (``compact``, the default, drops
@@ -56,6 +58,11 @@ def matmul_rate(dtype: str = "bfloat16", n: int = 2048, repeats: int = 5) -> flo
     return 2 * n ** 3 / best
 
 
+def matmul_dtype(torch_dtype) -> str:
+    """The ``torch`` dtype name of a model's dtype, for :func:`matmul_rate`."""
+    return str(torch_dtype).replace("torch.", "")
+
+
 def bench_prompts(n: int, release_dir: Optional[str] = None) -> list[str]:
     from .benchmark import load_benchmark, select_questions
     from .episodes import build_episodes
@@ -91,7 +98,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
                          show_progress=False, decode=decode, share_prefix=share_prefix)
     total_params, non_emb = param_counts(gen.model)
-    rate_dtype = "bfloat16" if gen.torch_dtype == torch.bfloat16 else "float32"
+    rate_dtype = matmul_dtype(gen.torch_dtype)  # the bound at the rate of the dtype actually used
     rate = matmul_rate(rate_dtype)
 
     gen.generate(prompts[:2])  # warm-up (allocator, kernels), not timed
@@ -140,6 +147,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "platform": platform.platform(), "torch": torch.__version__,
         "decode": decode, "decode_stats_batched": decode_stats, "share_prefix": share_prefix,
         "prompt_tokens_computed_per_episode_batched": decode_stats["prompt_tokens_computed"] / n,
+        "tie_margin": getattr(gen, "tie_margin", None), "matmul_rate_dtype": rate_dtype,
     }
     if compare_share and decode == "compact":
         alt, t_alt = _timed(gen, prompts, share_prefix=not share_prefix)
@@ -200,7 +208,7 @@ def _print_generation(r: dict[str, Any]) -> None:
           f"{', '.join(f'{t:.3f}' for t in r['s_per_episode_batched_repeats'])})")
     print(f"  speedup vs loop : {r['speedup_vs_loop']:.2f}x")
     print(f"  compute bound   : {r['compute_bound_s_per_episode']:.3f} s/episode at {r['matmul_rate_gflops']:.0f} "
-          f"GFLOP/s (bf16 matmul); batched / bound = {r['bound_ratio']:.2f}")
+          f"GFLOP/s ({r.get('matmul_rate_dtype', r['dtype'])} matmul); batched / bound = {r['bound_ratio']:.2f}")
     print(f"  shared prefixes : {r.get('share_prefix')} ({r.get('prompt_tokens_computed_per_episode_batched', 0):.0f} "
           f"prompt tokens computed per episode)")
     for tag in ("no_share", "share"):

@@ -357,7 +357,8 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     """A Generator for ``name`` on ``backend`` (transformers | vllm | openai).
 
     backend_options: ``model_cache_dir`` (where prepared models live), ``stop_at_final`` (default
-    True: stop a sequence once its FINAL line is complete), ``device``; vllm: any ``vllm.LLM``
+    True: stop a sequence once its FINAL line is complete), ``device``; transformers: also
+    ``decode``, ``share_prefix``, ``tie_margin``, ``attention``... (:mod:`memtoc.backends.hf`); vllm: any ``vllm.LLM``
     argument; openai: ``base_url``, ``api_key``, ``model``, ``timeout``, ``max_retries``,
     ``concurrency``, ``weights_hash``.
     """

@@ -15,6 +15,13 @@ def test_matmul_rate_is_positive():
     assert bench.matmul_rate("float32", n=128, repeats=2) > 0
 
 
+def test_the_bound_uses_the_matmul_rate_of_the_dtype_in_use():
+    import torch
+    assert [bench.matmul_dtype(d) for d in (torch.float32, torch.bfloat16, torch.float16)] == \
+        ["float32", "bfloat16", "float16"]
+    assert bench.matmul_rate(bench.matmul_dtype(torch.float16), n=64, repeats=1) > 0
+
+
 def test_param_counts_on_a_tiny_model():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
