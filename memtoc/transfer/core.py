@@ -732,8 +732,9 @@ def plot(summary: dict[str, Any], path) -> Path:
                     x = i + (j - (len(arms) - 1) / 2) * 0.2
                     lo = r["delta"] - r["ci_lo"] if pd.notna(r["ci_lo"]) else 0
                     hi = r["ci_hi"] - r["delta"] if pd.notna(r["ci_hi"]) else 0
+                    first = arm not in ax.get_legend_handles_labels()[1]
                     ax.errorbar(x, r["delta"], yerr=[[lo], [hi]], fmt="o", capsize=3, color=f"C{j}",
-                                label=arm if i == 0 else None)
+                                label=arm if first else None)
             ax.set_xticks(range(len(groups)))
             ax.set_xticklabels(groups, rotation=25, ha="right")
             if ax.get_legend_handles_labels()[0]:
