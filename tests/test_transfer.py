@@ -318,3 +318,23 @@ def test_score_lines_pure():
     recs, errs = score_lines(['{"response": "FINAL: C", "choices": {"label": ["A","B","C"], "text": ["x","y","z"]}, '
                               '"gold_key": "C"}'])
     assert not errs and recs[0]["correct"] is True and recs[0]["followed_cf"] is None
+
+
+def test_reverse_eval_questions_memory_right_first(tmp_path, bench):
+    from memtoc import elicitation
+    from memtoc.benchmark import select_questions
+
+    P = {"run_dir": tmp_path, "n_questions": 20, "seed": 20260721}
+    tr = transfer_params({"transfer": {"reverse_eval_questions": 3}})
+    sel = select_questions(bench.analysis, 20, 20260721)
+    qs, how = core.reverse_eval_questions(bench, P, tr, "m")
+    assert qs == sel[:3] and "no closed-book file" in how
+    right = {sel[7].qkey, sel[12].qkey}
+    path = elicitation.scored_path(tmp_path, "m", "forced")
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps({"model": "m", "formulation": "reference", "variant": "forced",
+                                        "question_id": q.id, "qkey": q.qkey, "instance_id": q.instance_id,
+                                        "response": "", "span": "", "mem_absent": False,
+                                        "memory_correct": q.qkey in right}) + "\n" for q in sel))
+    qs, how = core.reverse_eval_questions(bench, P, tr, "m")
+    assert [q.qkey for q in qs] == [sel[7].qkey, sel[12].qkey, sel[0].qkey] and "2 of 3" in how
