@@ -16,8 +16,8 @@ Episodes (one per item × formulation × condition; MemToC's wording, ``memtoc.p
 Metrics (per arm; rates with question-cluster bootstrap intervals, ``evaluation.rate_intervals``;
 adapter − untreated paired on common support, ``evaluation.contrast``): see :data:`METRIC_DOC`.
 
-Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``) against the
-untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
+Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``, and any
+``extra_adapters``, e.g. adapters trained on the full 575-question pool) against the untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
 ``FINAL: <world-true option>``, rejected ``FINAL: <counterfactual option>``, on the value- and
 passage-frame prompts; :func:`check_no_memtoc_leak` refuses any MemToC question, gold or
 distractor text), trained with ``finetune.train_adapter`` and evaluated on MemToC with notebook 04's
@@ -35,8 +35,10 @@ paired evaluation (``finetune.eval_episodes``, ``finetune.score_with``, ``finetu
                                   p_holm, n_units, n_clusters, treated, untreated)
     /models/<model>/forward/<arm>/closed_book_band    {delta, band, inside}
     /models/<model>/forward/<arm>/unmatched_gap       {frame: {untreated, treated, gap, flagged}}
-    /models/<model>/reverse       {adapter, training, leak_check, n_examples, eval_questions,
-                                   deltas/<metric>/<form|pooled> (finetune delta objects), criterion}
+    /models/<model>/forward_note  why there are no forward arms ("" when there are)
+    /models/<model>/reverse       {adapter, training, leak_check, n_examples, eval_questions, eval_selection,
+                                   n_episodes, deltas/<metric>/<form|pooled> (finetune delta objects),
+                                   criterion, criterion_by_formulation}
     /published                    the paper's Table 6 and reverse-transfer numbers (different models
                                   and data: Llama-3.1-8B / gemma-2-9b on FaithEval × ARC-Challenge)
     /timing                       seconds per phase
