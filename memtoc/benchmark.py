@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .config import FORMULATIONS, PAPER_SEED, DataError, resolve_release_dir
+from .jsonl import json_lines
 from .records import Question
 
 COMPACT_FILES = ("questions_575.jsonl", "qc_lists.json", "repair_overlay_39.json")
@@ -239,14 +240,10 @@ def read_question_table(path: Path) -> list[Question]:
     out = []
     seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+        for lineno, row, bad in json_lines(fh):
             where = f"{path}, line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if bad:
+                raise DataError(f"{where}: {bad}")
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
             q = _question_from_row(row, where)

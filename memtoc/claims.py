@@ -512,6 +512,18 @@ class CheckRow:
     detail: str = ""
 
 
+def text_table(head: tuple[str, ...], rows: Iterable[tuple[str, ...]], width: int = 48) -> str:
+    """A plain-text table of five columns: the first four padded to their widest cell (cut at
+    ``width`` with "…"), the last as is."""
+    rows = list(rows)
+    w = [max([len(head[i])] + [min(len(x[i]), width) for x in rows]) for i in range(4)]
+    fmt = "  ".join("{:<%d}" % n for n in w) + "  {}"
+    lines = [fmt.format(*head), fmt.format(*("-" * n for n in w), "-" * 15)]
+    lines += [fmt.format(*(x[i] if len(x[i]) <= width else x[i][:width - 1] + "…" for i in range(4)), x[4])
+              for x in rows]
+    return "\n".join(lines)
+
+
 @dataclass
 class VerificationResult:
     rows: list[CheckRow] = field(default_factory=list)
@@ -555,12 +567,7 @@ class VerificationResult:
         head = ("status", "claim", "printed", "derived", "source / detail")
         rows = [(r.status, r.id, r.printed, r.derived, (r.source + ("  " + r.detail if r.detail else "")).strip())
                 for r in self.rows]
-        w = [max([len(head[i])] + [min(len(x[i]), width) for x in rows]) for i in range(4)]
-        fmt = "  ".join("{:<%d}" % n for n in w) + "  {}"
-        lines = [fmt.format(*head), fmt.format(*("-" * n for n in w), "-" * 15)]
-        lines += [fmt.format(*(x[i] if len(x[i]) <= width else x[i][:width - 1] + "…" for i in range(4)), x[4])
-                  for x in rows]
-        return "\n".join(lines)
+        return text_table(head, rows, width)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "target": self.target, "ok": self.ok, "summary": self.summary(),

@@ -45,6 +45,32 @@ def check_choices(kind: str, values: Iterable[Any], valid: Iterable[str]) -> lis
     return [check_choice(kind, v, valid) for v in values]
 
 
+def ordered_subset(value: Any, valid: Iterable[str]) -> list[str] | None:
+    """``value`` (a name or a list of names) as a non-empty list in ``valid``'s order; None when it is
+    not a non-empty list drawn from ``valid``."""
+    valid = list(valid)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or any(v not in valid for v in value):
+        return None
+    return [v for v in valid if v in value]
+
+
+def section_params(P: dict[str, Any], key: str, defaults: dict[str, Any], source: str = "<params>",
+                   see: str = "params/default.yaml") -> dict[str, Any]:
+    """A deep copy of ``defaults`` overlaid with the mapping ``P[key]``; refuses a non-mapping and
+    unknown keys (the error names the field and the valid keys)."""
+    raw = P.get(key) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: field '{key}' must be a mapping (see {see})")
+    unknown = sorted(set(raw) - set(defaults))
+    if unknown:
+        raise ConfigError(f"{source}: unknown {key} key(s) {unknown}; valid keys are: {', '.join(defaults)}")
+    out = copy.deepcopy(defaults)
+    out.update(copy.deepcopy(raw))
+    return out
+
+
 def resolve_release_dir(release_dir: str | os.PathLike | None = None) -> Path:
     """Find the benchmark release directory.
 

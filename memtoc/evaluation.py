@@ -365,12 +365,12 @@ def _generate_per_file(generator, model_label: str, episodes: Sequence[Episode],
     return replies
 
 
-def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         for r in rows:
-            fh.write(json.dumps(_plain(r), ensure_ascii=False) + "\n")
+            fh.write(json.dumps(plain(r), ensure_ascii=False) + "\n")
     os.replace(tmp, path)
 
 
@@ -403,7 +403,7 @@ def write_scored(df: pd.DataFrame, run_dir, model_label: str, folder: str = "sco
     paths = []
     for key, part in df.groupby(keys, sort=False):
         paths.append(out_dir / f"{key}.jsonl")
-        _write_jsonl(paths[-1], part.drop(columns=["schema"], errors="ignore").to_dict("records"))
+        write_jsonl(paths[-1], part.drop(columns=["schema"], errors="ignore").to_dict("records"))
     return paths
 
 
@@ -428,14 +428,14 @@ def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
 # small helpers
 
 
-def _plain(obj: Any) -> Any:
+def plain(obj: Any) -> Any:
     """JSON-safe copy: numpy scalars -> Python, NaN -> None, tuples -> lists."""
     if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
+        return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
+        return [plain(v) for v in obj]
     if isinstance(obj, np.ndarray):
-        return [_plain(v) for v in obj.tolist()]
+        return [plain(v) for v in obj.tolist()]
     if isinstance(obj, (np.bool_,)):
         return bool(obj)
     if isinstance(obj, np.integer):
@@ -571,7 +571,7 @@ def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 1000, n_perm
     r = stats.paired_contrast(pu["t"].to_numpy(float), pu["b"].to_numpy(float), pu["qkey"].to_numpy(),
                               n_boot=n_boot, n_perm=n_perm, seed=seed)
     res.update(delta=r["delta"], ci95=r["ci95"], p=r["p_signflip"], p_holm=None)
-    return _plain(res)
+    return plain(res)
 
 
 def apply_holm(contrasts: dict[str, dict]) -> dict[str, dict]:
@@ -624,7 +624,7 @@ def headline_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = 
         d = d[d["formulation"].isin(formulations)]
     if d.empty:
         return {}
-    return _plain(metrics.summarize_group(d, n_boot=n_boot, seed=seed, alpha=alpha))
+    return plain(metrics.summarize_group(d, n_boot=n_boot, seed=seed, alpha=alpha))
 
 
 def cell_counts(scored: pd.DataFrame, formulations: Sequence[str] | None = None) -> dict:
@@ -719,7 +719,7 @@ def add_success(section: dict, alpha: float = 0.05) -> dict:
             continue
         ret = v["contrasts"].get("retention", {})
         tf = v["contrasts"].get("tool_follow", {})
-        v["success"] = _plain(stats.success_criterion(ret, tf, alpha=alpha)) if ret and tf else None
+        v["success"] = plain(stats.success_criterion(ret, tf, alpha=alpha)) if ret and tf else None
     return section
 
 
@@ -859,7 +859,7 @@ def matcher_sensitivity(scored: pd.DataFrame, memory: pd.DataFrame, formulations
         ch[col] = float(np.mean([a != b for a, b in zip(x, y)])) if len(x) else None
     out["changed_decisions"] = ch
     out["n_episodes"] = int(len(d))
-    return _plain(out)
+    return plain(out)
 
 
 # ==================================================================================================
@@ -901,7 +901,7 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
             out[name] = sec
     if memory is not None and "response" in scored.columns:
         out["matcher_sensitivity"] = matcher_sensitivity(scored, memory, formulations)
-    return _plain(out)
+    return plain(out)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -948,7 +948,7 @@ def apply_families(models: dict[str, dict], alpha: float = 0.05) -> dict[str, di
     for ms in models.values():
         if ms.get("prompting"):
             add_success(ms["prompting"], alpha)
-    return _plain(out)
+    return plain(out)
 
 
 def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dict]:
@@ -986,7 +986,7 @@ def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dic
             d = os_.get("deltas") or {}
             if "retention" not in d or "tool_follow" not in d:
                 continue
-            crit = {sl: _plain(stats.success_criterion(d["retention"][sl], d["tool_follow"][sl], alpha=alpha))
+            crit = {sl: plain(stats.success_criterion(d["retention"][sl], d["tool_follow"][sl], alpha=alpha))
                     for sl in d["retention"] if sl in d["tool_follow"]}
             if "pooled" in crit:
                 os_["criterion"] = crit.pop("pooled")
@@ -1011,7 +1011,7 @@ def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str
                        key=lambda f: FORMULATIONS.index(f) if f in FORMULATIONS else 99)
         per = {f: {mod: s["headline"].get(f, {}).get(m, {}).get("value") for mod, s in model_summaries.items()}
                for f in forms}
-        out[m] = _plain(stats.ranking_stability(per, pooled, reference_only=reference_only))
+        out[m] = plain(stats.ranking_stability(per, pooled, reference_only=reference_only))
     return out
 
 
@@ -1076,7 +1076,7 @@ def closed_book_section(scored: pd.DataFrame, memory: pd.DataFrame | None, run_d
             perm = None
         if perm is not None:
             out["forced_vs_permissive"] = closed_book_agreement(memory, perm)
-    return _plain(out)
+    return plain(out)
 
 
 def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = ("retention", "wrong_follow"),
@@ -1102,7 +1102,7 @@ def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence
         pairs = [(b, i) for b in bases if b in counts for i in counts if i not in bases]
         if pairs:
             sec["base_vs_instruct"] = stats.two_proportion_holm(counts, pairs, alpha, "base_vs_instruct_retention")
-        out[m] = _plain(sec)
+        out[m] = plain(sec)
     return out
 
 
@@ -1119,7 +1119,7 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
             models[m]["closed_book"] = cb
     applied = apply_families(models, kw["alpha"])
     families = {f: {**stats.families_summary()[f], "members": applied.get(f, {})} for f in EVALUATION_FAMILIES}
-    return _plain({
+    return plain({
         "schema_version": SCHEMA_VERSION,
         "run_name": P.get("run_name"),
         "matcher": P.get("matcher", "paper"),
@@ -1137,7 +1137,7 @@ def write_summary(summary: dict, run_dir) -> Path:
     path = Path(run_dir) / "summaries" / "evaluation.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_plain(summary), indent=2, ensure_ascii=False) + "\n")
+    tmp.write_text(json.dumps(plain(summary), indent=2, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -106,7 +106,6 @@ Claims: e.g. ``/models/smollm2-135m-instruct/objectives/sft/deltas/retention/poo
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -116,7 +115,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from .config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice
+from . import elicitation, evaluation, models, stats
+from .benchmark import load_benchmark, select_questions
+from .config import (FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, ordered_subset,
+                     section_params)
+from .config import run_dir as config_run_dir
+from .construct import related_links, related_summary
+from .episodes import build_episodes
 from .models import ModelError, attention_implementation, get_model
 from .records import Episode, Question
 
@@ -191,14 +196,7 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     ``None`` defaults are resolved from the run (``train_formulations`` -> ``P["formulations"]``,
     ``seed`` -> ``P["seed"]``). Errors name the field (``finetune.<key>``) and the fix.
     """
-    raw = P.get("finetune") or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: field 'finetune' must be a mapping (see params/finetune.yaml)")
-    unknown = sorted(set(raw) - set(FT_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown finetune key(s) {unknown}; valid keys are: {', '.join(FT_DEFAULTS)}")
-    f = copy.deepcopy(FT_DEFAULTS)
-    f.update(copy.deepcopy(raw))
+    f = section_params(P, "finetune", FT_DEFAULTS, source, see="params/finetune.yaml")
 
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{source}: field 'finetune.{key}': {msg}")
@@ -233,21 +231,19 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     forms = f["train_formulations"]
     if forms is None:
         forms = list(P.get("formulations") or FORMULATIONS)
-    if isinstance(forms, str):
-        forms = [forms]
-    if not isinstance(forms, list) or not forms or any(x not in FORMULATIONS for x in forms):
+    chosen = ordered_subset(forms, FORMULATIONS)
+    if chosen is None:
         fail("train_formulations", f"must be null or a non-empty list drawn from {list(FORMULATIONS)}, got {forms!r}")
-    f["train_formulations"] = [x for x in FORMULATIONS if x in forms]
+    f["train_formulations"] = chosen
     for key in ("train_questions_per_fold", "eval_questions_per_fold"):
         v = f[key]
         if v is not None and (not is_int(v) or v < 1):
             fail(key, f"must be null (all) or a positive integer, got {v!r}")
-    conds = f["eval_conditions"]
-    if isinstance(conds, str):
-        conds = [conds]
-    if not isinstance(conds, list) or not conds or any(c not in EVAL_CONDITIONS for c in conds):
-        fail("eval_conditions", f"must be a non-empty list drawn from {list(EVAL_CONDITIONS)}, got {conds!r}")
-    f["eval_conditions"] = [c for c in EVAL_CONDITIONS if c in conds]
+    conds = ordered_subset(f["eval_conditions"], EVAL_CONDITIONS)
+    if conds is None:
+        fail("eval_conditions", f"must be a non-empty list drawn from {list(EVAL_CONDITIONS)}, "
+                                f"got {f['eval_conditions']!r}")
+    f["eval_conditions"] = conds
     if not is_num(f["epochs"]) or f["epochs"] <= 0:
         fail("epochs", f"must be a positive number, got {f['epochs']!r}")
     if not is_int(f["max_steps"]) or f["max_steps"] == 0 or f["max_steps"] < -1:
@@ -340,7 +336,6 @@ def training_examples(questions: Iterable[Question], formulations: Sequence[str]
     Prompts are the untreated, schema-frame with-tool prompts of ``episodes.build_episodes``.
     Questions whose near value equals the gold (no contrast) are skipped.
     """
-    from .episodes import build_episodes
 
     questions = list(questions)
     by_id = {q.id: q for q in questions}
@@ -410,8 +405,6 @@ def crossfit_plan(pool: Sequence[Question], eval_pool: Sequence[Question], folds
     the slice is taken, so no adapter is trained on a question about its held-out questions' answers
     (or the reverse). Off by default: the paper's folds as released.
     """
-    from .benchmark import select_questions
-    from .construct import related_links
 
     missing = [q.id for q in list(pool) + list(eval_pool) if q.fold is None]
     if missing:
@@ -606,7 +599,6 @@ def training_prompt(tokenizer, spec, prompt: str) -> str:
     for Llama-3.1 / gemma-2 / Mistral) and tokenizes it without special tokens; trl would add a
     second BOS, so the template's leading BOS text is removed here. Base models: the raw prompt,
     special tokens added on both sides."""
-    from . import models
     text, special = models.render_prompt(tokenizer, spec, prompt)
     if special:
         return text
@@ -622,7 +614,6 @@ def training_prompt(tokenizer, spec, prompt: str) -> str:
 def check_training_tokens(tokenizer, spec, prompts: Sequence[str]) -> None:
     """Raise FinetuneError unless trl's tokenization of :func:`training_prompt` equals the
     generator's tokenization of the rendered prompt (one BOS where inference has one)."""
-    from . import models
     for p in prompts:
         text, special = models.render_prompt(tokenizer, spec, p)
         want = tokenizer(text, add_special_tokens=special)["input_ids"]
@@ -684,7 +675,6 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     import torch
     from transformers import AutoTokenizer
 
-    from . import models
 
     base_path = Path(base_path)
     out_dir = Path(out_dir)
@@ -749,7 +739,6 @@ def pair_preference(base_path, spec, examples: Sequence[TrainExample], adapter=N
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import models
 
     tok = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
@@ -795,14 +784,12 @@ def pair_preference(base_path, spec, examples: Sequence[TrainExample], adapter=N
 def eval_episodes(questions: Sequence[Question], formulations: Sequence[str],
                   conditions: Sequence[str] = EVAL_CONDITIONS) -> list[Episode]:
     """Held-out episodes: untreated arm, schema frame, the default error payload."""
-    from .episodes import build_episodes
     return build_episodes(list(questions), list(formulations), list(conditions))
 
 
 def score_with(generator, label: str, episodes: Sequence[Episode], memory, run_dir, matcher: str = "paper"):
     """Generate (through the cache ``generations/<label>/``) and score ``episodes`` with the cells of
     ``memory``; no scored file is written (the caller decides where)."""
-    from . import evaluation
     replies = evaluation.generate_replies(generator, label, list(episodes), run_dir)
     df = evaluation.score_episodes(list(episodes), [getattr(r, "text", r) for r in replies], memory,
                                    matcher=matcher, model_label=label)
@@ -817,7 +804,6 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
 
     Returns ``{"deltas": {metric: {form: delta object}}, "criterion": ..., "criterion_by_formulation": ...}``.
     """
-    from . import evaluation, stats
 
     deltas: dict[str, dict[str, Any]] = {}
     for m in metrics:
@@ -847,9 +833,9 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
         r, t = deltas["retention"].get(form), deltas["tool_follow"].get(form)
         if not r or not t:
             return None
-        return evaluation._plain(stats.success_criterion(r, t, alpha=alpha))
+        return evaluation.plain(stats.success_criterion(r, t, alpha=alpha))
 
-    out = {"deltas": evaluation._plain(deltas)}
+    out = {"deltas": evaluation.plain(deltas)}
     if "retention" in metrics and "tool_follow" in metrics:
         out["criterion"] = crit("pooled")
         out["criterion_by_formulation"] = {f: crit(f) for f in formulations if crit(f) is not None}
@@ -917,12 +903,9 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     untreated replies of notebooks 02/03 are reused when their generator settings are the same)."""
     import pandas as pd
 
-    from . import elicitation, evaluation, models
-    from .benchmark import load_benchmark
-    from .construct import related_summary
 
     ft = finetune_params(P)
-    run_dir = Path(P.get("run_dir") or _run_dir(P))
+    run_dir = Path(P.get("run_dir") or config_run_dir(P))
     P = {**P, "run_dir": run_dir}
     bench = load_benchmark(P.get("release_dir"))
     forms = list(P.get("formulations") or FORMULATIONS)
@@ -982,7 +965,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                                         scored_file=run_dir / "adapters" / label / f"untreated_closed_book_{variant}.jsonl")
             untreated = score_with(gen, label, all_eps, memory, run_dir, matcher)
         finally:
-            _close(gen)
+            close_generator(gen)
         msum["untreated_closed_book"] = closed_book_counts(memory)
         # 3. each adapter: its own closed-book answers, then its held-out episodes scored against them
         for obj in ft["objectives"]:
@@ -999,10 +982,10 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                                               matcher=matcher, scored_file=path / f"closed_book_{variant}.jsonl")
                     df = score_with(agen, alabel, eps_by_fold[p.train_fold], amem, run_dir, matcher)
                 finally:
-                    _close(agen)
+                    close_generator(agen)
                 msum["adapters"][obj][p.name]["closed_book"] = closed_book_counts(amem, memory)
                 df["train_fold"] = p.train_fold
-                evaluation._write_jsonl(path / "scored.jsonl",
+                evaluation.write_jsonl(path / "scored.jsonl",
                                         df.drop(columns=["schema"], errors="ignore").to_dict("records"))
                 parts.append(df)
                 mems.append(amem)
@@ -1021,32 +1004,37 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     return summary
 
 
-def _run_dir(P: dict[str, Any]) -> Path:
-    from .config import run_dir
-    return run_dir(P)
-
-
-def _close(gen) -> None:
+def close_generator(gen) -> None:
+    """Release a generator that holds resources (``close()``, when it has one)."""
     close = getattr(gen, "close", None)
     if callable(close):
         close()
 
 
-def write_summary(summary: dict[str, Any], run_dir) -> Path:
-    from .evaluation import _plain
-    path = Path(run_dir) / "summaries" / "finetuning.json"
+def write_stage_summary(summary: dict[str, Any], run_dir, name: str) -> Path:
+    """Write ``summaries/<name>`` atomically (JSON-safe values, ``evaluation.plain``)."""
+    path = Path(run_dir) / "summaries" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_plain(summary), indent=1, ensure_ascii=False))
+    tmp.write_text(json.dumps(evaluation.plain(summary), indent=1, ensure_ascii=False))
     os.replace(tmp, path)
     return path
 
 
-def read_summary(run_dir) -> dict[str, Any]:
-    path = Path(run_dir) / "summaries" / "finetuning.json"
+def read_stage_summary(run_dir, name: str, notebook: str, error: type[MemtocError] = None) -> dict[str, Any]:
+    """``summaries/<name>``; ``error`` (default :class:`FinetuneError`) names ``notebook`` when it is absent."""
+    path = Path(run_dir) / "summaries" / name
     if not path.is_file():
-        raise FinetuneError(f"{path} does not exist; run notebook 04_finetuning first")
+        raise (error or FinetuneError)(f"{path} does not exist; run notebook {notebook} first")
     return json.loads(path.read_text())
+
+
+def write_summary(summary: dict[str, Any], run_dir) -> Path:
+    return write_stage_summary(summary, run_dir, "finetuning.json")
+
+
+def read_summary(run_dir) -> dict[str, Any]:
+    return read_stage_summary(run_dir, "finetuning.json", "04_finetuning")
 
 
 # ==================================================================================================
@@ -1102,7 +1090,6 @@ def criterion_table(summary: dict[str, Any]):
 def plan(P: dict[str, Any], bench=None):
     """(plans, examples per training fold) for the run's parameters, leakage-checked (no training).
     ``bench``: the loaded benchmark, if the caller has it (else it is loaded from the run's release)."""
-    from .benchmark import load_benchmark, select_questions
 
     ft = finetune_params(P)
     if bench is None:

@@ -494,7 +494,7 @@ def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Seq
     units = car_units(head)
     cw = head[(head["condition"] == "tool_wrong") & head["cell"].isin(["arb", "both_wrong"])]
     car = ev.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": ev._interval_obj(None, None, 0)}
-    return ev._plain({
+    return ev.plain({
         "headline": ev.headline_metrics(judged, forms, n_boot=n_boot, seed=seed, alpha=alpha),
         "car_judge": car,
         "car_judge_missing": int(len(cw) - len(units)),

@@ -150,12 +150,7 @@ class PublishedResult:
         head = ("status", "check", "published", "derived", "via / detail")
         rows = [(c.status, c.id, _s(c.published), _s(c.derived), (c.via + ("  " + c.detail if c.detail else "")))
                 for c in self.checks]
-        w = [max([len(head[i])] + [min(len(x[i]), width) for x in rows]) for i in range(4)]
-        fmt = "  ".join("{:<%d}" % n for n in w) + "  {}"
-        lines = [fmt.format(*head), fmt.format(*("-" * n for n in w), "-" * 15)]
-        lines += [fmt.format(*(x[i] if len(x[i]) <= width else x[i][:width - 1] + "…" for i in range(4)), x[4])
-                  for x in rows]
-        return "\n".join(lines)
+        return claims.text_table(head, rows, width)
 
 
 def _s(v: Any) -> str:

@@ -42,8 +42,6 @@ Both matchers require a non-empty canonical answer and target (an empty answer n
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import sys
 import unicodedata
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from .config import MemtocError, check_choice
+from .jsonl import parse_records, read_input, write_output
 
 MATCHERS = ("paper", "strict")
 OUTCOMES = ("followed_tool", "kept_memory", "both", "neither")
@@ -436,23 +435,9 @@ def _check_record(obj: Any) -> Optional[str]:
 def score_lines(lines: Iterable[str], source: str = "<input>", matcher: str = "paper"
                 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Score JSONL lines. Returns (scored records, error messages "source:line: ...")."""
-    out: list[dict[str, Any]] = []
-    errors: list[str] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{source}:{lineno}: not valid JSON ({e.msg} at column {e.colno})")
-            continue
-        problem = _check_record(obj)
-        if problem:
-            errors.append(f"{source}:{lineno}: {problem}")
-            continue
-        dec = score_reply(obj["response"], obj["gold"], obj["tool_value"], obj["memory"],
-                          matcher=matcher, gold_kind=obj.get("gold_kind"))
-        out.append({**obj, **dec})
+    objs, errors = parse_records(lines, source, _check_record)
+    out = [{**obj, **score_reply(obj["response"], obj["gold"], obj["tool_value"], obj["memory"],
+                                 matcher=matcher, gold_kind=obj.get("gold_kind"))} for obj in objs]
     return out, errors
 
 
@@ -477,45 +462,11 @@ def cli(argv: list[str]) -> int:
     args = ap.parse_args(argv)
 
     out = Path(args.output) if args.output else None
-    if out is not None and out.is_dir():
-        raise ScoreInputError(f"-o {out}: is a directory; give a file path, e.g. -o {out / 'scored.jsonl'}")
-    if args.input == "-":
-        text, source = sys.stdin.read(), "<stdin>"
-    else:
-        path = Path(args.input)
-        if out is not None and out.exists() and path.exists() and out.resolve() == path.resolve():
-            raise ScoreInputError(f"-o {out}: is the input file; scoring in place would overwrite the input "
-                                  "(malformed lines would be lost); write to another file")
-        if not path.is_file():
-            raise ScoreInputError(f"input file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ScoreInputError(f"{path}: not UTF-8 text ({e}); memtoc score reads JSONL") from None
-        source = str(path)
-    # JSONL lines end at "\n" only: str.splitlines() would also split inside replies that contain
-    # U+2028, U+0085 and other Unicode line breaks (json.dumps keeps them unescaped)
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    records, errors = score_lines([ln[:-1] if ln.endswith("\r") else ln for ln in lines], source=source,
-                                  matcher=args.matcher)
+    lines, source = read_input(args.input, out, ScoreInputError, "memtoc score")
+    records, errors = score_lines(lines, source=source, matcher=args.matcher)
     for err in errors:
         print(f"memtoc score: malformed line: {err}", file=sys.stderr)
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    if out is not None:
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(out.name + ".tmp")
-            try:
-                tmp.write_text(payload, encoding="utf-8")
-                os.replace(tmp, out)
-            finally:
-                tmp.unlink(missing_ok=True)
-        except OSError as e:
-            raise ScoreInputError(f"-o {out}: cannot write ({e.strerror or e})") from None
-    else:
-        sys.stdout.write(payload)
+    write_output(records, out, ScoreInputError)
     counts = {o: sum(r["outcome"] == o for r in records) for o in OUTCOMES}
     n = len(records)
     fc = sum(r["final_correct"] for r in records)

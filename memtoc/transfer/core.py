@@ -45,21 +45,19 @@ paired evaluation (``finetune.eval_episodes``, ``finetune.score_with``, ``finetu
 """
 from __future__ import annotations
 
-import copy
 import json
-import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import numpy as np
 import pandas as pd
 
 from .. import elicitation, evaluation, finetune, models, prompts
 from ..benchmark import load_benchmark, select_questions
-from ..config import FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, resolve_release_dir
+from ..config import (FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, ordered_subset,
+                      resolve_release_dir, section_params)
+from ..config import run_dir as run_dir_of
 from ..records import Question
 from ..scoring import canon
 from .data import BUILTIN, POOLS, TransferItem, load_items
@@ -128,14 +126,7 @@ class TransferError(MemtocError):
 
 def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
     """The resolved ``transfer`` mapping (TR_DEFAULTS overlaid with ``P["transfer"]``), validated."""
-    raw = P.get("transfer") or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: field 'transfer' must be a mapping (see params/default.yaml)")
-    unknown = sorted(set(raw) - set(TR_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"{source}: unknown transfer key(s) {unknown}; valid keys are: {', '.join(TR_DEFAULTS)}")
-    t = copy.deepcopy(TR_DEFAULTS)
-    t.update(copy.deepcopy(raw))
+    t = section_params(P, "transfer", TR_DEFAULTS, source)
 
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{source}: field 'transfer.{key}': {msg}")
@@ -153,11 +144,10 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     pos_int_or_none("n_counterfactual")
     pos_int_or_none("n_unanswerable")
     forms = t["formulations"] if t["formulations"] is not None else list(P.get("formulations") or FORMULATIONS)
-    if isinstance(forms, str):
-        forms = [forms]
-    if not isinstance(forms, list) or not forms or any(f not in FORMULATIONS for f in forms):
+    forms = ordered_subset(forms, FORMULATIONS)
+    if forms is None:
         fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
-    t["formulations"] = [f for f in FORMULATIONS if f in forms]
+    t["formulations"] = forms
     if not isinstance(t["frames"], list) or not t["frames"] or any(f not in FRAMES for f in t["frames"]):
         fail("frames", f"must be a non-empty list drawn from {list(FRAMES)}")
     t["frames"] = [f for f in FRAMES if f in t["frames"]]
@@ -184,11 +174,10 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             fail(key, f"must be a positive integer, got {v!r}")
     rf = t["reverse_train_formulations"]
-    if isinstance(rf, str):
-        rf = [rf]
-    if not isinstance(rf, list) or not rf or any(f not in FORMULATIONS for f in rf):
+    rf = ordered_subset(rf, FORMULATIONS)
+    if rf is None:
         fail("reverse_train_formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
-    t["reverse_train_formulations"] = [f for f in FORMULATIONS if f in rf]
+    t["reverse_train_formulations"] = rf
     for key in ("closed_book_band", "unmatched_gap"):
         v = t[key]
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1):
@@ -420,12 +409,6 @@ def _gen_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
                 model_cache_dir=P.get("model_cache_dir"), **(P.get("backend_options") or {}))
 
 
-def _close(gen) -> None:
-    close = getattr(gen, "close", None)
-    if callable(close):
-        close()
-
-
 def find_adapters(adapter_root, model: str, objectives: Sequence[str], folds: Sequence[int]) -> dict[str, Path]:
     """``{"<objective>_fold<k>": path}`` of notebook 04's finished adapters (training.json status finished)."""
     out = {}
@@ -454,7 +437,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary."""
     tr = transfer_params(P)
     ft = finetune.finetune_params(P)
-    run_dir = Path(P.get("run_dir") or _run_dir(P))
+    run_dir = Path(P.get("run_dir") or run_dir_of(P))
     P = {**P, "run_dir": run_dir}
     timing: dict[str, float] = {}
     t0 = time.time()
@@ -495,7 +478,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
                 memory = evaluation.ensure_memory(gen, label, bench, r_eps, P)
                 r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", "paper"))
         finally:
-            _close(gen)
+            finetune.close_generator(gen)
         timing[f"{model}/untreated"] = round(time.time() - t1, 1)
         mem = memory_right(base)
         _write(out_dir / model / "scored_untreated.jsonl", base)
@@ -521,7 +504,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
                              else f"{label}__extra__{arm}")
                 treated = run_arm(agen, gen_label, arm, episodes, run_dir)
             finally:
-                _close(agen)
+                finetune.close_generator(agen)
             _write(out_dir / model / f"scored_{arm}.jsonl", treated)
             rates_t = arm_rates(treated, mem, forms, frames, n_boot, 0, alpha)
             ms["arms"][arm] = {"rates": rates_t, "adapter": str(path)}
@@ -580,7 +563,7 @@ def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, pr
         treated = finetune.score_with(agen, f"{model}__{REVERSE_OBJECTIVE}", r_eps, memory, run_dir,
                                       P.get("matcher", "paper"))
     finally:
-        _close(agen)
+        finetune.close_generator(agen)
     forms = [f for f in FORMULATIONS if f in set(treated["formulation"])]
     res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", 2000),
                                  n_perm=P.get("n_perm", 10000), seed=0, alpha=P.get("alpha", 0.05))
@@ -591,47 +574,18 @@ def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, pr
             **res}
 
 
-def _run_dir(P: dict[str, Any]) -> Path:
-    from ..config import run_dir
-    return run_dir(P)
-
-
 def _write(path: Path, df: pd.DataFrame) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in df.to_dict("records")),
                     encoding="utf-8")
 
 
-def _plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, Path):
-        return str(x)
-    if isinstance(x, (np.bool_,)):
-        return bool(x)
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(float(x)) else None
-    return x
-
-
 def write_summary(summary: dict[str, Any], run_dir) -> Path:
-    path = Path(run_dir) / "summaries" / "transfer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_plain(summary), indent=1, ensure_ascii=False))
-    os.replace(tmp, path)
-    return path
+    return finetune.write_stage_summary(summary, run_dir, "transfer.json")
 
 
 def read_summary(run_dir) -> dict[str, Any]:
-    path = Path(run_dir) / "summaries" / "transfer.json"
-    if not path.is_file():
-        raise TransferError(f"{path} does not exist; run notebook 06_transfer first")
-    return json.loads(path.read_text())
+    return finetune.read_stage_summary(run_dir, "transfer.json", "06_transfer", TransferError)
 
 
 # ==================================================================================================

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..config import MemtocError
+from ..jsonl import json_lines, read_lines, split_lines
 from ..scoring import canon
 
 KINDS = ("counterfactual", "unanswerable")
@@ -201,14 +202,10 @@ def validate_lines(lines: Iterable[str], source: str) -> Validation:
     """Validate JSONL lines (blank lines skipped); duplicate ids are reported at their second line."""
     res = Validation(source)
     seen: dict[str, int] = {}
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for lineno, obj, bad in json_lines(lines):
         where = f"{source}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            res.errors.append(f"{where}:-: not valid JSON ({e.msg} at column {e.colno})")
+        if bad:
+            res.errors.append(f"{where}:-: {bad}")
             continue
         item, errs = check_row(obj, where)
         if item is not None and item.id in seen:
@@ -225,13 +222,9 @@ def validate_lines(lines: Iterable[str], source: str) -> Validation:
 
 def validate_file(path) -> Validation:
     path = Path(path)
-    if not path.is_file():
-        raise TransferDataError(f"{path}: no such file; give a JSONL file in the format of memtoc.transfer.data")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise TransferDataError(f"{path}: not UTF-8 text ({e})") from None
-    return validate_lines(text.splitlines(), str(path))
+    lines = read_lines(path, TransferDataError,
+                       missing=f"{path}: no such file; give a JSONL file in the format of memtoc.transfer.data")
+    return validate_lines(lines, str(path))
 
 
 def builtin_path() -> Path:
@@ -283,12 +276,10 @@ def read_rows(path) -> list[dict[str, Any]]:
             raise TransferDataError(f"{path}: expected a JSON list of rows (or {{\"data\": [...]}})")
         return rows
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise TransferDataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, obj, bad in json_lines(split_lines(text)):
+        if bad:
+            raise TransferDataError(f"{path}:{n}: {bad}")
+        out.append(obj)
     return out
 
 

@@ -21,7 +21,6 @@ decides wins; ``rule`` names it):
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from ..config import MemtocError
+from ..jsonl import parse_records, read_input, write_output
 from ..scoring import canon, extract_final, is_abstain
 
 ABSTAIN = "ABSTAIN"
@@ -163,20 +163,8 @@ def _check_record(obj: Any) -> Optional[str]:
 
 def score_lines(lines: Iterable[str], source: str = "<input>") -> tuple[list[dict[str, Any]], list[str]]:
     """Score JSONL lines: (records with the decision fields added, errors ``source:line:field: ...``)."""
-    out, errors = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{source}:{n}:-: not valid JSON ({e.msg} at column {e.colno})")
-            continue
-        problem = _check_record(obj)
-        if problem:
-            errors.append(f"{source}:{n}:{problem}")
-            continue
-        out.append({**obj, **score_record(obj)})
+    objs, errors = parse_records(lines, source, _check_record, sep="", json_field="-:")
+    out = [{**obj, **score_record(obj)} for obj in objs]
     return out, errors
 
 
@@ -189,19 +177,15 @@ def score_cli(argv: list[str]) -> int:
                     "correct, followed_cf, abstain.",
         epilog="Exit status 0: every line scored; 1: some lines malformed (reported on stderr with "
                "file:line:field, left out; the others are scored); 2: usage error.")
-    ap.add_argument("input")
+    ap.add_argument("input", help="input JSONL file ('-' for stdin)")
     ap.add_argument("-o", "--output", required=True, help="output JSONL (must differ from the input)")
     a = ap.parse_args(argv)
-    src, dst = Path(a.input), Path(a.output)
-    if not src.is_file():
-        raise TransferScoreError(f"{src}: no such file")
-    if dst.exists() and dst.resolve() == src.resolve():
-        raise TransferScoreError(f"-o {dst}: is the input file; write the scored lines to another file")
-    records, errors = score_lines(src.read_text(encoding="utf-8").splitlines(), str(src))
+    dst = Path(a.output)
+    lines, source = read_input(a.input, dst, TransferScoreError, "memtoc transfer score")
+    records, errors = score_lines(lines, source)
     for e in errors:
         print(f"memtoc transfer score: malformed line: {e}", file=sys.stderr)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    write_output(records, dst, TransferScoreError)
     n = len(records)
     um = sum(r["matched"] is None for r in records)
     print(f"memtoc transfer score: {n} scored, {len(errors)} malformed, unmatched {um}/{n}, "
