@@ -623,19 +623,13 @@ def check_training_tokens(tokenizer, spec, prompts: Sequence[str]) -> None:
                                 f"{want[:6]}...); refusing to train on a context the model never sees")
 
 
-def train_attention(config, device: str = "cpu") -> str:
-    """attn_implementation for training (``models.attention_implementation``, the generation
-    backend's rule): eager for models with attention logit soft-capping (gemma-2: SDPA drops the
-    soft-capping), else SDPA."""
-    return attention_implementation(config, "auto", device, training=True)
-
-
 def load_train_model(base_path, ft: dict[str, Any]):
     """The base model for training (``train_dtype``; eager attention for soft-capping models)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
-    attn = train_attention(AutoConfig.from_pretrained(base_path), "cuda" if torch.cuda.is_available() else "cpu")
+    attn = attention_implementation(AutoConfig.from_pretrained(base_path), "auto",
+                                    "cuda" if torch.cuda.is_available() else "cpu", training=True)
     return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation=attn)
 
 

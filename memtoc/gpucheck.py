@@ -209,7 +209,7 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
     ft = finetune.finetune_params({"seed": 0, "formulations": ["f"], "finetune": {"max_steps": steps}})
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
     cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    cfg._attn_implementation = finetune.train_attention(cfg, device)
+    cfg._attn_implementation = models.attention_implementation(cfg, "auto", device, training=True)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from memtoc import finetune as F
 from memtoc.benchmark import load_benchmark, select_questions
 from memtoc.config import FORMULATIONS, ConfigError, load_params
 from memtoc.metrics import synthetic_arm
+from memtoc.models import attention_implementation
 from memtoc.records import Question
 
 
@@ -103,15 +104,21 @@ def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
 
 
 def test_softcapping_models_train_with_eager_attention(tmp_path):
-    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
     cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "g2")
     model = F.load_train_model(tmp_path / "g2", F.finetune_params(load_params(None)))
     assert model.config._attn_implementation == "eager"
-    assert Gemma2Config().attn_logit_softcapping and F.train_attention(Gemma2Config()) == "eager"
-    assert F.train_attention(Gemma2Config(), "cuda") == "eager"
-    assert F.train_attention(LlamaConfig()) == "sdpa"
+    # the rule load_train_model uses (models.attention_implementation with training=True)
+    assert Gemma2Config().attn_logit_softcapping
+    assert attention_implementation(Gemma2Config(), training=True) == "eager"
+    assert attention_implementation(Gemma2Config(), "auto", "cuda", training=True) == "eager"
+    assert attention_implementation(LlamaConfig(), training=True) == "sdpa"
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(llama)
+    assert F.load_train_model(llama, F.finetune_params(load_params(None))).config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("bad, field", [
