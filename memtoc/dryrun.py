@@ -14,7 +14,14 @@ The estimates are simple formulas with stated constants (assumptions, not measur
 * generation time = requests x expected new tokens / throughput, with expected new tokens =
   0.5 x max_new_tokens (replies stop at their FINAL line) and throughput (generated tokens/s) =
   ``GEN_TOKENS_PER_S_8B_BF16`` x 16 GB / weights: batched decoding is bound by reading the weights;
-* training time (04) = examples x epochs x ``TRAIN_TOKENS_PER_EXAMPLE`` tokens x FLOPs per token
+* requests of 04 per fine-tuned model (``finetune.models``): the untreated model and each adapter
+  (objectives x folds) on their held-out with-tool episodes, plus each adapter's own forced
+  closed-book prompts (held-out questions x formulations; the untreated model's come from 02);
+  requests of 06 per model: the transfer episodes for the untreated model and each forward adapter
+  (04's ``forward_objectives`` x ``forward_folds`` of a fine-tuned model, plus ``extra_adapters``),
+  and, with ``reverse``, the MemToC held-out episodes for the untreated model and the reverse
+  adapter, plus the reverse adapter's own closed-book prompts;
+* training time (04; 06's reverse DPO alike) = examples x epochs x ``TRAIN_TOKENS_PER_EXAMPLE`` tokens x FLOPs per token
   (6 x parameters for SFT; 2 x 6 + 2 x 2 = 16 x parameters for DPO: chosen and rejected, forward
   and backward, plus the reference forward passes) / (``GPU_TFLOPS`` x ``MFU``); LoRA DPO memory =
   weights + ``ACT_GB_PER_TOKEN_PER_B`` x batch x 2 x max_length x parameters (activations without
@@ -26,9 +33,11 @@ import math
 from typing import Any, Optional
 
 from . import finetune, models
-from .config import ConfigError
+from .config import FORMULATIONS, ConfigError
 from .episodes import run_episodes
 from .pipeline import plan, preflight, resolve_paths
+from .transfer import core as transfer
+from .transfer.data import load_items
 
 BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "auto": 2.0, "float32": 4.0, "awq": 0.5625}
 GEN_TOKENS_PER_S_8B_BF16 = {"vllm": 2500.0, "transformers": 600.0}   # one A100-80GB, batched (assumed)
@@ -80,6 +89,50 @@ def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_
         return None
     rate = GEN_TOKENS_PER_S_8B_BF16[backend] * 16.0 / weights_gb
     return n_requests * GEN_NEW_TOKEN_SHARE * max_new_tokens / rate
+
+
+def finetune_requests(P: dict[str, Any], ft: dict[str, Any], bench) -> dict[str, int]:
+    """Notebook 04's work per fine-tuned model (``finetune.run``): adapters, training examples,
+    with-tool evaluation requests (untreated + every adapter on its held-out fold) and the adapters'
+    own forced closed-book requests (held-out questions x formulations, per objective)."""
+    plans, examples = finetune.plan(P, bench)
+    n_forms = len(P.get("formulations") or FORMULATIONS)
+    n_obj = len(ft["objectives"])
+    n_held = sum(len(p.eval_questions) for p in plans)
+    with_tool = n_held * len(ft["eval_conditions"]) * n_forms
+    return {"adapters": n_obj * len(plans), "train_examples": sum(len(v) for v in examples.values()),
+            "with_tool": with_tool * (1 + n_obj), "adapter_closed_book": n_obj * n_held * n_forms}
+
+
+def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapters_of_04: bool) -> dict[str, int]:
+    """Notebook 06's requests for ``model`` (``transfer.run``): the transfer episodes for the untreated
+    model and each forward arm (``adapters_of_04``: 04's adapters exist or are read from
+    ``adapters_from``, for a fine-tuned model), and with ``reverse`` the MemToC held-out episodes for
+    the untreated model and the reverse adapter, the reverse adapter's own closed-book prompts, and
+    its DPO training examples and steps."""
+    tr = transfer.transfer_params(P)
+    cf, un = transfer.select_items(load_items(tr["dataset"])[0], tr)
+    episodes = len(transfer.build_episodes(cf, un, tr["formulations"], tr["frames"]))
+    arms = len(tr["extra_adapters"])
+    if model in ft["models"] and (adapters_of_04 or tr["adapters_from"]):
+        arms += len(tr["forward_objectives"]) * len(tr["forward_folds"])
+    out = {"episodes": episodes, "forward_arms": arms, "forward": episodes * (1 + arms),
+           "reverse_with_tool": 0, "reverse_closed_book": 0, "reverse_examples": 0, "reverse_steps": 0}
+    if tr["reverse"]:
+        n_forms = len(P.get("formulations") or FORMULATIONS)
+        n_q = min(tr["reverse_eval_questions"], P["n_questions"])
+        n_ex = len(transfer.reverse_examples(cf, tr["reverse_train_formulations"], tr["frames"]))
+        steps = tr["reverse_max_steps"]
+        out.update(reverse_with_tool=2 * n_q * n_forms * len(ft["eval_conditions"]),
+                   reverse_closed_book=n_q * n_forms, reverse_examples=n_ex,
+                   reverse_steps=steps if steps > 0 else math.ceil(n_ex / tr["reverse_batch_size"]))
+    out["total"] = out["forward"] + out["reverse_with_tool"] + out["reverse_closed_book"]
+    return out
+
+
+def dpo_seconds(n_examples: float, params_b: float) -> float:
+    """Training time of a LoRA DPO run over ``n_examples`` examples (the module's formula)."""
+    return n_examples * TRAIN_TOKENS_PER_EXAMPLE * 16 * params_b * 1e9 / (GPU_TFLOPS * 1e12 * MFU)
 
 
 def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> str:
@@ -142,19 +195,22 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
         elif s.number in ("01", "08", "09"):
             lines.append(f"  {s.name:<18} no generation")
             continue
-        else:
+        elif s.number != "06":
             lines.append(f"  {s.name:<18} requests not estimated here (see its notebook)")
             unknown_time = True
             continue
         if s.number == "04":
-            plans, examples = finetune.plan(P, bench)
-            n_adapters = len(ft["objectives"]) * len(plans)
-            n_eval = sum(len(p.eval_questions) for p in plans) * len(ft["eval_conditions"]) * n_forms
-            n_train = sum(len(v) for v in examples.values())
-            lines.append(f"  {s.name:<18} {n_adapters} adapter(s) per model ({', '.join(ft['objectives'])} x folds "
-                         f"{ft['folds']}), {n_train} training examples over the folds; "
-                         f"{n_eval * (1 + len(ft['objectives']))} evaluation requests per model (untreated + adapters)")
-            for spec in specs:
+            fr = finetune_requests(P, ft, bench)
+            n_eval = fr["with_tool"] + fr["adapter_closed_book"]
+            n_train = fr["train_examples"]
+            lines.append(f"  {s.name:<18} {fr['adapters']} adapter(s) per fine-tuned model ({', '.join(ft['objectives'])} "
+                         f"x folds {ft['folds']}), {n_train} training examples over the folds; {n_eval} evaluation "
+                         f"requests per model ({fr['with_tool']} with-tool, untreated + adapters; "
+                         f"{fr['adapter_closed_book']} the adapters' own closed-book)")
+            ft_specs = [spec for spec in specs if spec.name in ft["models"]]
+            if not ft_specs:
+                lines.append("      no fine-tuned models (finetune.models)")
+            for spec in ft_specs:
                 e = est[spec.name]
                 if e["weights_gb"] is None:
                     unknown_time = True
@@ -163,8 +219,7 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
                 steps_tok = n_train * ft["epochs"] * TRAIN_TOKENS_PER_EXAMPLE
                 flops = sum(steps_tok * (6 if o == "sft" else 16) * pb * 1e9 for o in ft["objectives"])
                 t_train = flops / (GPU_TFLOPS * 1e12 * MFU)
-                t_eval = gen_seconds(n_eval * (1 + len(ft["objectives"])), pb * 2.0, "transformers",
-                                     params["max_new_tokens"]) or 0.0
+                t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", params["max_new_tokens"]) or 0.0
                 act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb
                 if ft["gradient_checkpointing"]:
                     act /= 4
@@ -175,6 +230,27 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
                              f"(transformers); DPO memory ~{mem:.0f} GB -> "
                              + (f"{cls} GB GPU" if cls else "more than one 80 GB GPU: enable "
                                 "finetune.gradient_checkpointing or lower finetune.batch_size"))
+            continue
+        if s.number == "06":
+            tr = transfer.transfer_params(P)
+            lines.append(f"  {s.name:<18} requests per model: the transfer episodes for the untreated model and each "
+                         "forward adapter" + ("; the MemToC held-out episodes for the untreated model and the "
+                                              "reverse adapter, and the reverse adapter's own closed-book"
+                                              if tr["reverse"] else ""))
+            for spec in specs:
+                tq = transfer_requests(P, ft, spec.name, ft_on)
+                what = (f"{tq['total']} requests ({tq['episodes']} episodes x {1 + tq['forward_arms']} arm(s)"
+                        + (f"; reverse {tq['reverse_with_tool']} with-tool + {tq['reverse_closed_book']} closed-book, "
+                           f"DPO {tq['reverse_steps']} step(s) of {tr['reverse_batch_size']}" if tr["reverse"] else "")
+                        + ")")
+                t = gen_seconds(tq["total"], est[spec.name]["weights_gb"], params["backend"], params["max_new_tokens"])
+                if t is None or spec.params_b is None:
+                    unknown_time = True
+                    lines.append(f"      {spec.name:<28} {what}, time unknown ({params['backend']})")
+                    continue
+                t_train = dpo_seconds(tq["reverse_steps"] * tr["reverse_batch_size"], spec.params_b)
+                total_s += t + t_train
+                lines.append(f"      {spec.name:<28} {what} ~{_dur(t + t_train)}")
             continue
         lines.append(f"  {s.name:<18} {n} requests per model ({what})")
         for spec in specs:

@@ -497,6 +497,34 @@ def test_dry_run_prints_the_plans_without_weights(capsys):
     assert "vllm" not in _sys.modules        # nothing of the GPU stack was imported
 
 
+def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
+    from memtoc import dryrun, finetune
+    P = load_params(REPO_ROOT / "params" / "paper.yaml")
+    ft = finetune.finetune_params(P)
+    assert "llama-3.1-8b" in P["models"] and "llama-3.1-8b" not in ft["models"]    # the base model is not tuned
+    bench = load_benchmark(P.get("release_dir"))
+    fr = dryrun.finetune_requests(P, ft, bench)
+    plans, _ = finetune.plan(P, bench)
+    n_held = sum(len(p.eval_questions) for p in plans)
+    n_forms = len(P["formulations"])
+    assert fr["adapters"] == len(ft["objectives"]) * len(plans) == 4
+    assert fr["adapter_closed_book"] == fr["adapters"] // len(plans) * n_held * n_forms
+    assert fr["with_tool"] == n_held * len(ft["eval_conditions"]) * n_forms * (1 + len(ft["objectives"]))
+    tuned = dryrun.transfer_requests(P, ft, "llama-3.1-8b-instruct", adapters_of_04=True)
+    base = dryrun.transfer_requests(P, ft, "llama-3.1-8b", adapters_of_04=True)
+    assert tuned["forward_arms"] == 2 and base["forward_arms"] == 0        # sft, dpo x fold 0 of 04
+    assert tuned["forward"] == 3 * tuned["episodes"] and base["forward"] == base["episodes"]
+    assert tuned["reverse_closed_book"] == 8 * n_forms and tuned["reverse_steps"] == 2
+    assert tuned["total"] == tuned["forward"] + tuned["reverse_with_tool"] + tuned["reverse_closed_book"]
+    assert cli.main(["run", str(REPO_ROOT / "params" / "paper.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    sec04 = out[out.index("04_finetuning"):out.index("06_transfer")]
+    assert "llama-3.1-8b-instruct" in sec04 and "llama-3.1-8b " not in sec04
+    assert f"{fr['adapter_closed_book']} the adapters' own closed-book" in sec04
+    sec06 = out[out.index("06_transfer"):out.index("08_paper")]
+    assert f"{tuned['total']} requests" in sec06 and f"{base['total']} requests" in sec06
+
+
 def test_dry_run_refuses_what_cannot_run(capsys, monkeypatch):
     from memtoc import models
     big = models.ModelSpec("big-405b", "big", "hub", hub_id="x/big", params_b=405.0)
