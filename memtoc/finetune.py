@@ -336,7 +336,6 @@ def training_examples(questions: Iterable[Question], formulations: Sequence[str]
     Prompts are the untreated, schema-frame with-tool prompts of ``episodes.build_episodes``.
     Questions whose near value equals the gold (no contrast) are skipped.
     """
-
     questions = list(questions)
     by_id = {q.id: q for q in questions}
     out: list[TrainExample] = []
@@ -405,7 +404,6 @@ def crossfit_plan(pool: Sequence[Question], eval_pool: Sequence[Question], folds
     the slice is taken, so no adapter is trained on a question about its held-out questions' answers
     (or the reverse). Off by default: the paper's folds as released.
     """
-
     missing = [q.id for q in list(pool) + list(eval_pool) if q.fold is None]
     if missing:
         raise FinetuneError(f"questions without a cross-fitting fold (e.g. {missing[:3]}); load them with "
@@ -669,7 +667,6 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     import torch
     from transformers import AutoTokenizer
 
-
     base_path = Path(base_path)
     out_dir = Path(out_dir)
     tok = AutoTokenizer.from_pretrained(base_path)
@@ -732,7 +729,6 @@ def pair_preference(base_path, spec, examples: Sequence[TrainExample], adapter=N
     Used to compare learning rates on a slice (see params/finetune.yaml)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
     tok = AutoTokenizer.from_pretrained(base_path)
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype))
@@ -798,7 +794,6 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
 
     Returns ``{"deltas": {metric: {form: delta object}}, "criterion": ..., "criterion_by_formulation": ...}``.
     """
-
     deltas: dict[str, dict[str, Any]] = {}
     for m in metrics:
         tu, bu = evaluation.metric_units(treated, m), evaluation.metric_units(untreated, m)
@@ -887,6 +882,23 @@ def closed_book_counts(memory, untreated=None) -> dict[str, Any]:
     return out
 
 
+def evaluate_adapter(model: str, adapter, label: str, questions: Sequence[Question], episodes: Sequence[Episode],
+                     formulations: Sequence[str], run_dir, gen_kw: dict[str, Any], variant: str = "forced",
+                     matcher: str = "paper"):
+    """(scored episodes, closed-book memory) of the adapter at ``adapter``: its *own* closed-book
+    answers to ``questions`` (written to ``<adapter>/closed_book_<variant>.jsonl``), then ``episodes``
+    scored against them (:func:`score_with`), so that a paired delta with the untreated model
+    (:func:`paired_deltas`) counts the units in a cell for one side only. ``gen_kw``:
+    ``models.load_generator`` keywords; generations are cached under ``label``."""
+    agen = models.load_generator(model, adapter=adapter, **gen_kw)
+    try:
+        memory = elicitation.elicit(agen, label, questions, formulations, variant, run_dir, matcher=matcher,
+                                    scored_file=Path(adapter) / f"closed_book_{variant}.jsonl")
+        return score_with(agen, label, episodes, memory, run_dir, matcher), memory
+    finally:
+        close_generator(agen)
+
+
 def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> dict[str, Any]:
     """Train every adapter (model × objective × fold; resumed when finished), evaluate each on its
     held-out fold against its *own* closed-book answers, compute the paired deltas on the
@@ -896,7 +908,6 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     transformers backend with :func:`eval_generator_kwargs`, through the generation cache (the
     untreated replies of notebooks 02/03 are reused when their generator settings are the same)."""
     import pandas as pd
-
 
     ft = finetune_params(P)
     run_dir = Path(P.get("run_dir") or config_run_dir(P))
@@ -969,14 +980,8 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                 if not eps_by_fold[p.train_fold]:
                     print(f"[finetune] {label} {obj} {p.name}: no held-out questions in this slice; not evaluated")
                     continue
-                alabel = f"{label}__{obj}__{p.name}"
-                agen = models.load_generator(model, adapter=path, **gen_kw)
-                try:
-                    amem = elicitation.elicit(agen, alabel, q_by_fold[p.train_fold], forms, variant, run_dir,
-                                              matcher=matcher, scored_file=path / f"closed_book_{variant}.jsonl")
-                    df = score_with(agen, alabel, eps_by_fold[p.train_fold], amem, run_dir, matcher)
-                finally:
-                    close_generator(agen)
+                df, amem = evaluate_adapter(model, path, f"{label}__{obj}__{p.name}", q_by_fold[p.train_fold],
+                                            eps_by_fold[p.train_fold], forms, run_dir, gen_kw, variant, matcher)
                 msum["adapters"][obj][p.name]["closed_book"] = closed_book_counts(amem, memory)
                 df["train_fold"] = p.train_fold
                 evaluation.write_jsonl(path / "scored.jsonl",
@@ -1084,7 +1089,6 @@ def criterion_table(summary: dict[str, Any]):
 def plan(P: dict[str, Any], bench=None):
     """(plans, examples per training fold) for the run's parameters, leakage-checked (no training).
     ``bench``: the loaded benchmark, if the caller has it (else it is loaded from the run's release)."""
-
     ft = finetune_params(P)
     if bench is None:
         bench = load_benchmark(P.get("release_dir"))

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 from memtoc import cli as memtoc_cli
-from memtoc.benchmark import load_benchmark
+from memtoc import elicitation, finetune, models, prompts
+from memtoc.backends.base import Generator, Reply
+from memtoc.benchmark import load_benchmark, select_questions
 from memtoc.config import ConfigError, load_params
 from memtoc.pipeline import plan
+from memtoc.records import Question
 from memtoc.scoring import canon
 from memtoc.transfer import (ABSTAIN, TransferDataError, TransferError, build_episodes, check_no_memtoc_leak, import_faitheval,
                              load_items, match_choice, reverse_examples, score_lines, score_replies, select_items,
@@ -321,9 +325,6 @@ def test_score_lines_pure():
 
 
 def test_reverse_eval_questions_memory_right_first(tmp_path, bench):
-    from memtoc import elicitation
-    from memtoc.benchmark import select_questions
-
     P = {"run_dir": tmp_path, "n_questions": 20, "seed": 20260721}
     tr = transfer_params({"transfer": {"reverse_eval_questions": 3}})
     sel = select_questions(bench.analysis, 20, 20260721)
@@ -338,3 +339,62 @@ def test_reverse_eval_questions_memory_right_first(tmp_path, bench):
                                         "memory_correct": q.qkey in right}) + "\n" for q in sel))
     qs, how = core.reverse_eval_questions(bench, P, tr, "m")
     assert [q.qkey for q in qs] == [sel[7].qkey, sel[12].qkey, sel[0].qkey] and "2 of 3" in how
+
+
+# ---------------------------------------------------------------------------------------------
+# reverse transfer: the adapter is scored against its own closed-book answers (as notebook 04's)
+
+class _Scripted(Generator):
+    """Closed-book prompts: the gold for the questions in ``right``, else a wrong value; with-tool
+    prompts: the tool's value (tool_error: UNKNOWN)."""
+
+    backend = "fake"
+
+    def __init__(self, name, questions, right, episodes):
+        super().__init__({"model": name})
+        self.cb = {prompts.closed_book_prompt(q.question, "reference", "forced"): q for q in questions}
+        self.right, self.eps = right, {e.prompt: e for e in episodes}
+
+    def _generate_batches(self, prompt_list, desc):
+        out = []
+        for p in prompt_list:
+            if p in self.cb:
+                q = self.cb[p]
+                text = f"FINAL: {q.gold if q.id in self.right else 'Somewhere Else'}"
+            else:
+                text = f"FINAL: {self.eps[p].tool_value or 'UNKNOWN'}"
+            out.append(Reply(text, 10, 3, 0.01, "", False))
+        yield list(range(len(prompt_list))), out
+
+
+def test_reverse_adapter_is_scored_against_its_own_closed_book(tmp_path, monkeypatch):
+    """Untreated memory right on q0-q2, the reverse adapter's on q0, q1, q3: retention is compared on
+    {q0, q1} with one unit on each side only, as notebook 04 compares its adapters."""
+    qs = [Question(id=f"{10 + i}.{i}", instance_id=10 + i, hop_idx=i, qkey=f"q{10 + i}x{i}",
+                   question=f"Where was person {10 + i}-{i} born?", gold=f"Gold City {i}", gold_kind="place",
+                   family="birth_death_place", near=f"Near City {i}", near_original=f"Near City {i}",
+                   far="Far Town", fold=1) for i in range(6)]
+    eps = finetune.eval_episodes(qs, ["reference"])
+    untreated = _Scripted("m", qs, {"10.0", "11.1", "12.2"}, eps)
+    memory = elicitation.elicit(untreated, "m", qs, ["reference"], "forced", tmp_path)
+    r_base = finetune.score_with(untreated, "m", eps, memory, tmp_path)
+    adapter_gen = _Scripted("m+reverse", qs, {"10.0", "11.1", "13.3"}, eps)
+    loaded = []
+    monkeypatch.setattr(models, "get_model", lambda name: SimpleNamespace(name=name))
+    monkeypatch.setattr(models, "prepare_model", lambda name, cache_dir=None: tmp_path / "base")
+    monkeypatch.setattr(models, "load_generator", lambda name, adapter=None, **kw: loaded.append(adapter) or adapter_gen)
+    monkeypatch.setattr(finetune, "train_adapter", lambda *a, **kw: {"steps": 2, "resumed": False})
+    P = {"run_dir": tmp_path, "n_boot": 50, "n_perm": 50, "formulations": ["reference"]}
+    tr = transfer_params({"transfer": {"reverse_max_steps": 2}})
+    cf, _ = select_items(load_items("builtin")[0], tr)
+    ft = finetune.finetune_params(load_params(None))
+    res = core.reverse(P, tr, ft, cf[:2], SimpleNamespace(questions=qs), "m", qs, eps, memory, r_base, {},
+                       progress=False)
+    path = tmp_path / "adapters" / "m" / core.REVERSE_OBJECTIVE / "external"
+    assert loaded == [path] and (path / "closed_book_forced.jsonl").is_file()
+    for metric in ("retention", "tool_follow", "wrong_follow"):
+        d = res["deltas"][metric]["pooled"]
+        assert (d["n_units"], d["n_treated_only"], d["n_untreated_only"]) == (2, 1, 1), metric
+    assert res["closed_book"]["all"]["n_changed"] == 2 and res["closed_book"]["all"]["n_correct"] == 3
+    t = core.reverse_table({"models": {"m": {"reverse": res}}})
+    assert set(t.loc[t["metric"] == "retention", "n_treated_only"]) == {1}

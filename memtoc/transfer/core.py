@@ -21,7 +21,8 @@ Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>
 ``FINAL: <world-true option>``, rejected ``FINAL: <counterfactual option>``, on the value- and
 passage-frame prompts; :func:`check_no_memtoc_leak` refuses any MemToC question, gold or
 distractor text), trained with ``finetune.train_adapter`` and evaluated on MemToC with notebook 04's
-paired evaluation (``finetune.eval_episodes``, ``finetune.score_with``, ``finetune.paired_deltas``).
+paired evaluation (``finetune.eval_episodes``, ``finetune.evaluate_adapter``: each checkpoint against its own
+closed-book answers, ``finetune.paired_deltas``).
 
 ``summaries/transfer.json`` (``schema_version`` 1)::
 
@@ -37,7 +38,9 @@ paired evaluation (``finetune.eval_episodes``, ``finetune.score_with``, ``finetu
     /models/<model>/forward/<arm>/unmatched_gap       {frame: {untreated, treated, gap, flagged}}
     /models/<model>/forward_note  why there are no forward arms ("" when there are)
     /models/<model>/reverse       {adapter, training, leak_check, n_examples, eval_questions, eval_selection,
-                                   n_episodes, deltas/<metric>/<form|pooled> (finetune delta objects),
+                                   n_episodes, deltas/<metric>/<form|pooled> (finetune delta objects, with
+                                   n_treated_only / n_untreated_only: the adapter is scored against its
+                                   own closed-book answers), closed_book (finetune.closed_book_counts),
                                    criterion, criterion_by_formulation}
     /published                    the paper's Table 6 and reverse-transfer numbers (different models
                                   and data: Llama-3.1-8B / gemma-2-9b on FaithEval × ARC-Challenge)
@@ -517,7 +520,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         # 3. reverse: DPO on the external set only, evaluated on MemToC
         if tr["reverse"]:
             t1 = time.time()
-            ms["reverse"] = {**reverse(P, tr, ft, cf, bench, model, r_eps, memory, r_base, gen_kw, progress),
+            ms["reverse"] = {**reverse(P, tr, ft, cf, bench, model, rq, r_eps, memory, r_base, gen_kw, progress),
                              "eval_selection": r_sel}
             timing[f"{model}/reverse"] = round(time.time() - t1, 1)
         summary["models"][model] = ms
@@ -545,9 +548,14 @@ def reverse_eval_questions(bench, P: dict[str, Any], tr: dict[str, Any], label: 
                        f"{k} of {n} answered correctly closed-book in some formulation")
 
 
-def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, progress=True) -> dict[str, Any]:
+def reverse(P, tr, ft, cf_items, bench, model, r_questions, r_eps, memory, r_base, gen_kw,
+            progress=True) -> dict[str, Any]:
     """Train the reverse-transfer DPO adapter (resumed when finished) and compare it with the untreated
-    model on MemToC held-out episodes (``finetune.paired_deltas``)."""
+    model on the MemToC held-out episodes ``r_eps`` of ``r_questions`` as notebook 04 compares its
+    adapters (``finetune.evaluate_adapter``): the adapter scored against its *own* forced closed-book
+    answers, the untreated model (``r_base``) against its own (``memory``), ``finetune.paired_deltas``
+    on the case-stable common support (``n_treated_only`` / ``n_untreated_only``), and both
+    closed-book counts (``closed_book``, ``finetune.closed_book_counts``)."""
     run_dir = Path(P["run_dir"])
     examples = reverse_examples(cf_items, tr["reverse_train_formulations"], tr["frames"])
     leak = check_no_memtoc_leak(examples, bench.questions)
@@ -558,15 +566,13 @@ def reverse(P, tr, ft, cf_items, bench, model, r_eps, memory, r_base, gen_kw, pr
     if progress:
         print(f"[transfer] {model} reverse DPO: {len(examples)} external pairs -> {path}")
     rec = finetune.train_adapter(base_path, spec, examples, "dpo", rft, path, progress=progress)
-    agen = models.load_generator(model, adapter=path, **gen_kw)
-    try:
-        treated = finetune.score_with(agen, f"{model}__{REVERSE_OBJECTIVE}", r_eps, memory, run_dir,
-                                      P.get("matcher", "paper"))
-    finally:
-        finetune.close_generator(agen)
-    forms = [f for f in FORMULATIONS if f in set(treated["formulation"])]
+    forms = [f for f in FORMULATIONS if any(e.formulation == f for e in r_eps)]
+    treated, own = finetune.evaluate_adapter(model, path, f"{model}__{REVERSE_OBJECTIVE}", r_questions, r_eps, forms,
+                                             run_dir, gen_kw, P.get("closed_book_variant", "forced"),
+                                             P.get("matcher", "paper"))
     res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", 2000),
                                  n_perm=P.get("n_perm", 10000), seed=0, alpha=P.get("alpha", 0.05))
+    res["closed_book"] = finetune.closed_book_counts(own, memory)
     return {"adapter": str(path), "leak_check": leak, "n_examples": len(examples),
             "eval_questions": len({e.qkey for e in r_eps}), "n_episodes": int(len(treated)),
             "training": {k: rec.get(k) for k in ("steps", "examples", "seconds", "first_loss", "final_loss",
