@@ -42,6 +42,13 @@ import statistics
 import time
 from typing import Any, Optional
 
+from .benchmark import load_benchmark, select_questions
+from .config import ConfigError
+from .episodes import build_episodes
+from .models import load_generator
+from .scoring import extract_final
+from .stats import run_benchmark
+
 
 def matmul_rate(dtype: str = "bfloat16", n: int = 2048, repeats: int = 5) -> float:
     """Best observed FLOP/s of an n x n x n torch matmul in ``dtype`` (on the current device)."""
@@ -64,9 +71,6 @@ def matmul_dtype(torch_dtype) -> str:
 
 
 def bench_prompts(n: int, release_dir: Optional[str] = None) -> list[str]:
-    from .benchmark import load_benchmark, select_questions
-    from .episodes import build_episodes
-
     bench = load_benchmark(release_dir)
     conds = ("tool_right", "tool_wrong", "tool_error")
     qs = select_questions(bench.analysis, n, 0)
@@ -91,8 +95,6 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                      compare_share: bool = False, repeats: int = 3) -> dict[str, Any]:
     import torch
 
-    from .models import load_generator
-    from .scoring import extract_final
 
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
@@ -256,7 +258,6 @@ def cli(argv: list[str]) -> int:
     s.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.what == "generation":
-        from .config import ConfigError
         bs: Any = a.batch_size
         if bs != "auto":
             try:
@@ -269,7 +270,6 @@ def cli(argv: list[str]) -> int:
                              repeats=max(1, a.repeats))
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
-    from .stats import run_benchmark
     r = run_benchmark()
     if a.json:
         print(json.dumps(r))

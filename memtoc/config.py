@@ -214,7 +214,7 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
     if not isinstance(p["transfer"], dict):
         fail("transfer", "must be a mapping (keys: memtoc.transfer.core.TR_DEFAULTS; see params/default.yaml)")
     if p["judge"] is not None:
-        p["judge"] = _check_judge(p["judge"], fail)
+        p["judge"] = check_judge(p["judge"], fail)
     return p
 
 
@@ -226,7 +226,7 @@ def is_plain_name(name: Any) -> bool:
     return isinstance(name, str) and bool(_PLAIN_NAME.match(name)) and name not in (".", "..")
 
 
-def _check_judge(j: Any, fail) -> dict[str, Any]:
+def check_judge(j: Any, fail) -> dict[str, Any]:
     """The ``judge`` block with its defaults (backend transformers, no options, 32 new tokens)."""
     example = "e.g. judge: {model: smollm2-135m-instruct, backend: transformers}"
     if not isinstance(j, dict):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from .benchmark import qkey_of
+from .benchmark import PAPER_COUNTS, qkey_of
 from .config import PAPER_SEED, DataError
 from .records import Question, unique_by
 from .scoring import normalize
@@ -421,7 +421,6 @@ def counts_table(counts: dict[str, Any]):
     """memtoc's counts beside the paper's, as a pandas DataFrame (columns memtoc, paper, match)."""
     import pandas as pd
 
-    from .benchmark import PAPER_COUNTS
     flat = dict(counts)
     if "episodes" in counts:
         flat["episodes_core"] = counts["episodes"]["core"]
@@ -556,7 +555,6 @@ def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
     and the run's episode counts."""
     from collections import Counter as _C
 
-    from .benchmark import PAPER_COUNTS
     counts = bench.counts()
     qc = qc_report(bench.questions)
     rep = reproduce_nonentity(bench.questions, seed=PAPER_SEED)

@@ -24,7 +24,10 @@ from typing import Any, Iterable, Optional, Sequence
 import pandas as pd
 
 from .config import FORMULATIONS, DataError, check_choice, check_choices
+from .metrics import assign_cell
+from .prompts import closed_book_prompt
 from .records import Question, dumps
+from .scoring import memory_status
 
 COLUMNS = ["model", "formulation", "variant", "question_id", "qkey", "instance_id", "response", "span",
            "mem_absent", "memory_correct"]
@@ -50,9 +53,6 @@ def elicit(generator, model_label: str, questions: Sequence[Question], formulati
     ``scored_file``: where the scored rows go (default ``scored_path(run_dir, model_label, variant)``);
     notebook 04 writes an adapter's (or its own untreated) closed-book answers next to the adapter so
     that notebook 02's file is never overwritten with a subset."""
-    from .prompts import closed_book_prompt
-    from .scoring import memory_status
-
     check_choice("closed-book variant", variant, VARIANTS)
     formulations = check_choices("formulation", list(formulations), FORMULATIONS)
     questions = list(questions)
@@ -115,8 +115,6 @@ def cell_distribution(memory: pd.DataFrame) -> pd.DataFrame:
     Columns: model, formulation, variant, memory (correct | incorrect | absent), tool (correct |
     incorrect), cell, n, share (of the group's episodes).
     """
-    from .metrics import assign_cell
-
     rows = []
     for (model, form, variant), g in memory.groupby(["model", "formulation", "variant"], sort=True):
         counts: dict[tuple[str, str, str], int] = {}

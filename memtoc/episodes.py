@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from .benchmark import select_questions
 from .config import FORMULATIONS, PAPER_SEED, ConfigError, DataError, check_choices
 from .prompts import (ARMS, FRAMES, NOOP_OUTPUT, PAYLOAD_KINDS, closed_book_prompt, error_payload,
                       synthesize_schema, value_output, with_tool_prompt)
@@ -188,8 +189,6 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     ``n_questions_extra <= n_questions``), so every extra arm has its untreated baseline.
     Episodes are deduplicated by id (first kept), in a stable order.
     """
-    from .benchmark import select_questions
-
     seed = P.get("seed", PAPER_SEED)
     forms = list(P.get("formulations") or FORMULATIONS)
     sel = select_questions(benchmark.analysis, max(P["n_questions"], P.get("n_questions_extra", 0)), seed)

@@ -131,9 +131,14 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from . import metrics, stats
+from . import cache as _cache
+from . import elicitation, metrics, scoring, stats
+from . import models as _models
+from .backends.base import Reply
 from .config import FORMULATIONS, DataError, MemtocError
+from .elicitation import load_memory
 from .records import Episode, arm_key
+from .scoring import has_final_line
 
 SCHEMA_VERSION = 1
 
@@ -232,8 +237,6 @@ def score_episodes(episodes: Sequence[Episode] | pd.DataFrame, responses: Sequen
     memory_correct are recomputed here with the same ``matcher`` (so a strict re-score is strict on
     both sides). Pure: no files.
     """
-    from . import metrics, scoring
-
     if isinstance(episodes, pd.DataFrame):
         rows = episodes.to_dict("records")
     else:
@@ -294,9 +297,6 @@ def generate_replies(generator, model_label: str, episodes: Sequence[Episode], r
     stems = [cache_stem(e) for e in episodes]
     if not (callable(getattr(generator, "key", None)) and hasattr(generator, "identity")):
         return _generate_per_file(generator, model_label, episodes, gen_dir)
-    from . import cache as _cache
-    from .backends.base import Reply
-
     keys = [generator.key(e.prompt) for e in episodes]
     own = {st: _cache.read_cache(gen_dir / f"{st}.jsonl") for st in dict.fromkeys(stems)}
     known: dict[str, dict] = {}
@@ -456,14 +456,12 @@ def metric_units(df: pd.DataFrame, metric: str, condition: str | None = None) ->
     episodes of another condition play the metric's condition (e.g. ``tool_far`` episodes for far
     retention, ``noop`` for accuracy); it is required for ``accuracy`` and ``abstain``.
     """
-    from . import metrics
-
     if metric in metrics.SPECS:
         spec = metrics.SPECS[metric]
         d = df
         if condition is not None:
             d = df[df["condition"] == condition].assign(condition=spec.conditions[0])
-        mask = metrics._mask(d, spec)
+        mask = metrics.metric_mask(d, spec)
         sub = d[mask]
         val = metrics.flag_values(sub, spec.flag)
     elif metric in EXTRA_METRICS:
@@ -486,7 +484,7 @@ def metric_units(df: pd.DataFrame, metric: str, condition: str | None = None) ->
 # statistics primitives (delegating to memtoc.metrics / memtoc.stats)
 
 
-def _interval_obj(value, ci, n) -> dict:
+def interval_obj(value, ci, n) -> dict:
     ci = None if ci is None else [None if c is None or (isinstance(c, float) and math.isnan(c)) else float(c) for c in ci]
     v = None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
     return {"value": v if n else None, "ci95": ci if n else None, "n": int(n)}
@@ -505,8 +503,6 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
     drew at least one unit (the pooled interval rests on those). Formulations without units are
     omitted; pooled uses those present.
     """
-    from . import stats
-
     out: dict[str, Any] = {}
     if len(units) == 0:
         return out
@@ -515,7 +511,7 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
         u = units[units["formulation"] == f]
         r = stats.cluster_bootstrap(u["value"].to_numpy(float), u["qkey"].to_numpy(), n_boot=n_boot,
                                     seed=seed, alpha=alpha)
-        out[f] = _interval_obj(r["value"], r["ci95"], r["n"])
+        out[f] = interval_obj(r["value"], r["ci95"], r["n"])
     if present:
         u = units[units["formulation"].isin(present)]
         labels = np.array(sorted(u["qkey"].unique()))
@@ -533,7 +529,7 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
         reps = np.where(np.all(np.isfinite(r), 1), r.mean(1) if r.size else np.nan, np.nan)
         lo, hi = stats.percentile_ci(reps, alpha) if n_boot else (None, None)
         value = float(np.mean(num.sum(0) / den.sum(0)))
-        out["pooled"] = _interval_obj(value, [lo, hi], int(den.sum()))
+        out["pooled"] = interval_obj(value, [lo, hi], int(den.sum()))
         # replicates that drew no question of some formulation leave the pooled mean undefined:
         # report how many replicates the interval rests on (issue 12 item 10)
         out["pooled"]["n_boot_used"] = int(np.isfinite(reps).sum())
@@ -558,8 +554,6 @@ def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 1000, n_perm
     """Paired contrast treatment − baseline on common support (units (formulation, qkey), clusters
     qkey): delta, question-cluster bootstrap CI, sign-flip permutation p (``stats.paired_contrast``),
     and ``n_treated_only`` / ``n_untreated_only`` (units outside the common support)."""
-    from . import stats
-
     pu = paired_units(treat, base)
     res: dict[str, Any] = {"treatment": treatment, "baseline": baseline, "n_units": int(len(pu)),
                            "n_clusters": int(pu["qkey"].nunique()) if len(pu) else 0,
@@ -576,8 +570,6 @@ def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 1000, n_perm
 
 def apply_holm(contrasts: dict[str, dict]) -> dict[str, dict]:
     """Fill ``p_holm`` of a family of contrast objects (keys = family members; missing p skipped)."""
-    from . import stats
-
     keys = [k for k, c in contrasts.items() if c.get("p") is not None]
     if keys:
         adj = stats.holm([contrasts[k]["p"] for k in keys])
@@ -596,7 +588,7 @@ def _forms(df: pd.DataFrame, formulations: Sequence[str] | None) -> list[str]:
     return [f for f in order if f in present]
 
 
-def _sel(df: pd.DataFrame, arm: str = "untreated", frame: str = "schema",
+def select_arm(df: pd.DataFrame, arm: str = "untreated", frame: str = "schema",
          payload_kind: str | None = PAYLOAD_DEFAULT, conditions: Sequence[str] | None = None) -> pd.DataFrame:
     """Episodes of one arm and frame; tool_error episodes only of ``payload_kind`` (None: all)."""
     m = (df["arm"] == arm) & (df["frame"] == frame)
@@ -617,9 +609,8 @@ def headline_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = 
     default-payload episodes (every question of the run), from ``metrics.summarize_group``: every
     metric of ``metrics.RATE_METRICS`` (the four headline ones and the secondary ones) with a
     question-cluster CI, pooled = unweighted mean over formulations, plus the cell sizes."""
-    from . import metrics
 
-    d = _sel(scored, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
+    d = select_arm(scored, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
     if formulations:
         d = d[d["formulation"].isin(formulations)]
     if d.empty:
@@ -629,7 +620,7 @@ def headline_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = 
 
 def cell_counts(scored: pd.DataFrame, formulations: Sequence[str] | None = None) -> dict:
     """``{form: {cell: n}}``: tool_wrong episodes (untreated, schema) per cell."""
-    d = _sel(scored, conditions=["tool_wrong"])
+    d = select_arm(scored, conditions=["tool_wrong"])
     return {f: {c: int(((d["formulation"] == f) & (d["cell"] == c)).sum()) for c in CELLS}
             for f in _forms(d, formulations)}
 
@@ -637,7 +628,7 @@ def cell_counts(scored: pd.DataFrame, formulations: Sequence[str] | None = None)
 def source_matrix(scored: pd.DataFrame, formulations: Sequence[str] | None = None) -> dict:
     """``{form|pooled: {cell: {n, follow_rate, keep_rate, correct_rate}}}`` over the four cells
     (tool_right + tool_wrong, untreated, schema). Pooled sums the episodes of all formulations."""
-    d = _sel(scored, conditions=["tool_right", "tool_wrong"])
+    d = select_arm(scored, conditions=["tool_right", "tool_wrong"])
     forms = _forms(d, formulations)
     out: dict[str, dict] = {}
     for f in forms + ["pooled"]:
@@ -664,10 +655,10 @@ def arm_comparison(scored: pd.DataFrame, arms: Sequence[str], metric_names: Sequ
     if not present:
         return {}
     qk = set(scored.loc[scored["arm"].isin(present), "qkey"])
-    base = _restrict(_sel(scored), qk)
+    base = _restrict(select_arm(scored), qk)
     forms = _forms(base, formulations)
     out: dict[str, Any] = {"n_questions": len(qk), "family": family}
-    out.update(_variants_vs_base(base, "untreated", {a: _sel(scored, arm=a) for a in present},
+    out.update(_variants_vs_base(base, "untreated", {a: select_arm(scored, arm=a) for a in present},
                                  metric_names, forms, n_boot, n_perm, seed))
     return out
 
@@ -699,8 +690,8 @@ def add_reference_contrasts(section: dict, scored: pd.DataFrame, arm: str, metri
     if arm not in section:
         return section
     qk = set(scored.loc[scored["arm"] == arm, "qkey"])
-    base = _restrict(_sel(scored), qk)
-    base, treat = (d[d["formulation"] == REFERENCE_FORMULATION] for d in (base, _sel(scored, arm=arm)))
+    base = _restrict(select_arm(scored), qk)
+    base, treat = (d[d["formulation"] == REFERENCE_FORMULATION] for d in (base, select_arm(scored, arm=arm)))
     if treat.empty:
         return section
     section[arm]["contrasts_reference"] = {
@@ -712,8 +703,6 @@ def add_reference_contrasts(section: dict, scored: pd.DataFrame, arm: str, metri
 def add_success(section: dict, alpha: float = 0.05) -> dict:
     """Add the asymmetric success criterion to each arm of a prompting section (in place):
     retention up significantly after Holm AND no significant drop in correct-tool following."""
-    from . import stats
-
     for a, v in section.items():
         if not isinstance(v, dict) or "contrasts" not in v:
             continue
@@ -733,10 +722,10 @@ def frames_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None =
         return {}
     mets = ("retention", "correct_value_follow", "incorrect_value_follow", "tool_follow", "wrong_follow")
     qk = set(scored.loc[scored["frame"].isin(frames), "qkey"])
-    base = _restrict(_sel(scored, conditions=["tool_right", "tool_wrong"]), qk)
+    base = _restrict(select_arm(scored, conditions=["tool_right", "tool_wrong"]), qk)
     forms = _forms(base, formulations)
     out: dict[str, Any] = {"n_questions": len(qk)}
-    out.update(_variants_vs_base(base, "schema", {fr: _sel(scored, frame=fr) for fr in frames},
+    out.update(_variants_vs_base(base, "schema", {fr: select_arm(scored, frame=fr) for fr in frames},
                                  mets, forms, n_boot, n_perm, seed))
     return out
 
@@ -745,10 +734,10 @@ def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = No
                    n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """Far vs near incorrect values on common support ((formulation, qkey) with both): retention
     and incorrect-tool following; contrasts far − near, Holm over the two metrics."""
-    far = _sel(scored, conditions=["tool_far"])
+    far = select_arm(scored, conditions=["tool_far"])
     if far.empty:
         return {}
-    near = _sel(scored, conditions=["tool_wrong"])
+    near = select_arm(scored, conditions=["tool_wrong"])
     common = pd.merge(far[["formulation", "qkey"]].drop_duplicates(), near[["formulation", "qkey"]].drop_duplicates())
     keep = set(map(tuple, common.to_numpy()))
 
@@ -777,7 +766,7 @@ def payload_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None 
                        n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """Error-abstention per tool_error payload kind; contrasts vs the paper's default payload
     (service_unavailable) on common support, Holm across the other kinds."""
-    d = _sel(scored, payload_kind=None, conditions=["tool_error"])
+    d = select_arm(scored, payload_kind=None, conditions=["tool_error"])
     kinds = [k for k in d["payload_kind"].fillna(PAYLOAD_DEFAULT).unique() if k != PAYLOAD_DEFAULT]
     if not kinds:
         return {}
@@ -799,10 +788,10 @@ def noop_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = N
                     n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = 10000, seed: int = 0) -> dict:
     """NoopTool control vs no_tool (the closed-book answer): answer accuracy and abstention over
     all episodes, on common support; contrasts noop − no_tool, Holm over the two metrics."""
-    noop = _sel(scored, conditions=["noop"])
+    noop = select_arm(scored, conditions=["noop"])
     if noop.empty:
         return {}
-    nt = _restrict(_sel(scored, conditions=["no_tool"]), set(noop["qkey"]))
+    nt = _restrict(select_arm(scored, conditions=["no_tool"]), set(noop["qkey"]))
     forms = _forms(noop, formulations)
     out: dict[str, Any] = {"n_questions": int(noop["qkey"].nunique()), "noop": {}, "no_tool": {}, "contrasts": {}}
     for m in ("accuracy", "abstain"):
@@ -820,7 +809,7 @@ def noop_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = N
 def point_metrics(scored: pd.DataFrame, formulations: Sequence[str] | None = None,
                   metric_names: Sequence[str] = HEADLINE_METRICS) -> dict:
     """``{form|pooled: {metric: value|None}}`` without intervals (untreated, schema, default payload)."""
-    d = _sel(scored)
+    d = select_arm(scored)
     forms = _forms(d, formulations)
     out: dict[str, dict] = {}
     for f in forms:
@@ -841,7 +830,7 @@ def matcher_sensitivity(scored: pd.DataFrame, memory: pd.DataFrame, formulations
     headline metric values under both matchers: ``{form|pooled: {metric: {paper, strict, delta}}}``,
     plus ``changed_decisions``: the share of episodes whose followed_tool / kept_memory /
     final_correct / cell differs."""
-    d = _sel(scored)
+    d = select_arm(scored)
     paper = d if (d.get("matcher") is None or (d["matcher"] == "paper").all()) else \
         score_episodes(d, d["response"].tolist(), memory, matcher="paper", model_label=None)
     strict = score_episodes(d, d["response"].tolist(), memory, matcher="strict", model_label=None)
@@ -871,7 +860,7 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
                   seed: int = 0, alpha: float = 0.05) -> dict:
     """Every analysis of one model's scored frame (see the module docstring for the layout)."""
     kw = dict(formulations=formulations, n_boot=n_boot, n_perm=n_perm, seed=seed)
-    head = _sel(scored)
+    head = select_arm(scored)
     extra_q = set(scored.loc[(scored["arm"] != "untreated") | (scored["frame"] != "schema")
                              | ~scored["condition"].isin(["tool_right", "tool_wrong", "tool_error", "no_tool"])
                              | (scored["payload_kind"].fillna(PAYLOAD_DEFAULT) != PAYLOAD_DEFAULT), "qkey"])
@@ -1002,8 +991,6 @@ def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str
     ``pairs`` / ``stable_pairs`` are a weaker pairwise reading, labelled as such. A base model is
     compared on the Reference formulation only (``reference_order``)."""
     reference_only = base_models(model_summaries)
-    from . import stats
-
     out = {}
     for m in metric_names:
         pooled = {mod: s["headline"].get("pooled", {}).get(m, {}).get("value") for mod, s in model_summaries.items()}
@@ -1018,8 +1005,6 @@ def ranking_section(model_summaries: dict[str, dict], metric_names: Sequence[str
 def base_models(names: Iterable[str]) -> list[str]:
     """The base (non-chat) models among ``names`` (memtoc.models registry; unknown names are taken
     as instruction-tuned). The paper compares the base model on the Reference formulation only."""
-    from . import models as _models
-
     out = []
     for n in names:
         try:
@@ -1032,8 +1017,6 @@ def base_models(names: Iterable[str]) -> list[str]:
 
 def final_line_compliance(responses: Iterable[Optional[str]]) -> dict:
     """Share of replies that carry a ``FINAL:`` line (``scoring.has_final_line``), App. D."""
-    from .scoring import has_final_line
-
     flags = [has_final_line(r) for r in responses]
     return {"n": len(flags), "rate": float(np.mean(flags)) if flags else None}
 
@@ -1062,8 +1045,6 @@ def closed_book_agreement(forced: pd.DataFrame, permissive: pd.DataFrame) -> dic
 def closed_book_section(scored: pd.DataFrame, memory: pd.DataFrame | None, run_dir, model_label: str) -> dict:
     """FINAL-line compliance of the with-tool replies and of the forced closed-book replies, and the
     forced-vs-permissive agreement when the run elicited the permissive pass (App. D)."""
-    from .elicitation import load_memory
-
     out: dict[str, Any] = {}
     if "response" in scored.columns:
         out["final_line_with_tool"] = final_line_compliance(scored["response"].tolist())
@@ -1222,8 +1203,6 @@ def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Epi
     the episodes, runs the elicitation for the episodes' questions (served from the generation
     cache where 02 already generated them). Variant: ``P["closed_book_variant"]``.
     """
-    from . import elicitation
-
     variant = P.get("closed_book_variant", "forced")
     need = {(e.formulation, e.qkey) for e in episodes}
     try:

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import finetune, models
+
 WORDS = ("the tool returned a value for the question about the river city author year population "
          "capital country founded born wrote album film company bridge mountain answer final memory "
          "verified error unknown reply with one line that starts with").split()
@@ -131,7 +133,6 @@ def check_architecture(name: str, path: Path, device: str, prompts: list[str], m
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import models
 
     t0 = time.time()
     gen = models.load_generator(str(path), backend="transformers", dtype="float32", batch_size=len(prompts),
@@ -196,7 +197,6 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
     import torch
     from transformers import LlamaConfig, AutoModelForCausalLM
 
-    from . import finetune, models
 
     if not tiny and not device.startswith("cuda"):
         return CaseResult(name, "SKIP", "the full-size 8B step needs a GPU (use --tiny on a CPU)")

@@ -93,8 +93,12 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from .config import FORMULATIONS, ConfigError, MemtocError
-from .metrics import _isna
+from . import evaluation as ev
+from . import metrics, models, scoring
+from .config import FORMULATIONS, ConfigError, MemtocError, check_judge
+from .evaluation import read_scored, write_scored
+from .metrics import isna
+from .scoring import canon
 
 TASKS = ("extract", "ack")
 TARGETS = ("final", "closed_book")
@@ -210,8 +214,6 @@ def _words(s: Any) -> int:
 def suspicious_span(span: Optional[str], gold: str, question: str) -> bool:
     """PROTOCOL §4b: the span has more than (gold word count + 2) words AND canon(gold) is contained
     in canon(question) (a likely echo of the question)."""
-    from .scoring import canon
-
     if not isinstance(span, str) or not span:
         return False
     g = canon(gold)
@@ -238,7 +240,7 @@ def _check(scored: pd.DataFrame, need: Sequence[str], what: str) -> None:
 
 
 def _text(x: Any) -> str:
-    return "" if _isna(x) else str(x)
+    return "" if isna(x) else str(x)
 
 
 def judge_requests(scored: pd.DataFrame) -> list[JudgeRequest]:
@@ -252,7 +254,7 @@ def judge_requests(scored: pd.DataFrame) -> list[JudgeRequest]:
     seen_book: set[tuple] = set()
     for r in rows:
         model = r.get("model") if has_model else None
-        model = None if _isna(model) else model
+        model = None if isna(model) else model
         base = dict(model=model, formulation=r["formulation"], qkey=r["qkey"], hop=_text(r["question_id"]) or None)
         reply = _text(r["response"])
         if r["condition"] == "tool_wrong":
@@ -260,7 +262,7 @@ def judge_requests(scored: pd.DataFrame) -> list[JudgeRequest]:
                 finals.append(JudgeRequest("extract", "final", episode_id=r["episode_id"],
                                            prompt=extract_prompt(r["question"], reply), **base))
             acks.append(JudgeRequest("ack", "final", episode_id=r["episode_id"],
-                                     prompt=ack_prompt(r["question"], None if _isna(r["tool_value"]) else
+                                     prompt=ack_prompt(r["question"], None if isna(r["tool_value"]) else
                                                        str(r["tool_value"]), reply), **base))
         hop = (model, r["formulation"], r["qkey"])
         if hop in seen_book:
@@ -337,8 +339,6 @@ def _label(parsed: Optional[tuple[str, Optional[str]]]) -> Optional[str]:
 def apply_overlay(scored: pd.DataFrame, judgments: Iterable[Judgment], matcher: str = "paper") -> pd.DataFrame:
     """A copy of ``scored`` with the judged layer applied (module docstring: Overlay). Rows the
     judge did not touch keep their det values."""
-    from . import metrics, scoring
-
     _check(scored, ("episode_id", "qkey", "formulation", "condition", "gold", "tool_value", "tool_correct",
                     "outcome", "followed_tool", "kept_memory", "abstain", "neither_subtype", "memory_span",
                     "mem_absent", "memory_correct", "cell"), "apply_overlay")
@@ -350,8 +350,8 @@ def apply_overlay(scored: pd.DataFrame, judgments: Iterable[Judgment], matcher: 
     for r in rows:
         r = dict(r)
         model = r.get("model") if has_model else None
-        model = None if _isna(model) else model
-        kind = None if _isna(r.get("gold_kind")) else r.get("gold_kind")
+        model = None if isna(model) else model
+        kind = None if isna(r.get("gold_kind")) else r.get("gold_kind")
         r["judge_final"] = None
         r["judge_memory"] = None
         # closed-book fix, per hop (every condition / arm / frame of the hop)
@@ -364,7 +364,7 @@ def apply_overlay(scored: pd.DataFrame, judgments: Iterable[Judgment], matcher: 
                 r["memory_span"] = book[1]
                 r["mem_absent"] = False
                 r["memory_correct"] = bool(scoring.match(book[1], r["gold"], matcher, kind))
-            tc = None if _isna(r["tool_correct"]) else bool(r["tool_correct"])
+            tc = None if isna(r["tool_correct"]) else bool(r["tool_correct"])
             r["cell"] = metrics.assign_cell(r["memory_correct"], r["mem_absent"], tc)
         # corrected final (tool_wrong, neither/other)
         ack = None
@@ -377,7 +377,7 @@ def apply_overlay(scored: pd.DataFrame, judgments: Iterable[Judgment], matcher: 
                     r["neither_subtype"], r["abstain"] = "abstain", True
                 else:
                     mem = "" if bool(r["mem_absent"]) else _text(r["memory_span"])
-                    tool = None if _isna(r["tool_value"]) else str(r["tool_value"])
+                    tool = None if isna(r["tool_value"]) else str(r["tool_value"])
                     ft, km = scoring.source_matches(fin[1], tool, mem, matcher, kind)
                     r["followed_tool"], r["kept_memory"] = ft, km
                     r["outcome"] = scoring.outcome_of(ft, km)
@@ -397,7 +397,7 @@ def car_units(scored_judged: pd.DataFrame) -> pd.DataFrame:
     ack_judge; columns formulation, qkey, value (+ model / arm / frame when present)."""
     _check(scored_judged, ("condition", "cell", "ack_judge", "formulation", "qkey"), "car_units")
     d = scored_judged[(scored_judged["condition"] == "tool_wrong") & scored_judged["cell"].isin(["arb", "both_wrong"])]
-    d = d[np.array([not _isna(a) for a in d["ack_judge"]], dtype=bool)]
+    d = d[np.array([not isna(a) for a in d["ack_judge"]], dtype=bool)]
     cols = [c for c in ("model", "arm", "frame", "formulation", "qkey") if c in d.columns]
     out = d[cols].copy()
     out["value"] = np.asarray([1.0 if bool(a) else 0.0 for a in d["ack_judge"]], dtype=float)
@@ -446,8 +446,6 @@ def changed_counts(det: pd.DataFrame, judged: pd.DataFrame) -> dict[str, int]:
 def judge_config(P: dict) -> Optional[dict]:
     """The run's judge block, checked and with its defaults filled (``config.validate_params``
     does the same), or None when no judge is configured."""
-    from .config import _check_judge
-
     j = P.get("judge")
     if j is None:
         return None
@@ -455,13 +453,11 @@ def judge_config(P: dict) -> Optional[dict]:
     def fail(field: str, msg: str) -> None:
         raise ConfigError(f"parameter {field!r}: {msg}")
 
-    return _check_judge(j, fail)
+    return check_judge(j, fail)
 
 
 def load_judge(P: dict):
     """The judge's Generator (``models.load_generator`` with the judge block's settings)."""
-    from . import models
-
     j = judge_config(P)
     if j is None:
         raise ConfigError("no judge configured (parameter 'judge' is null)")
@@ -472,13 +468,11 @@ def load_judge(P: dict):
 
 def write_judged(judged: pd.DataFrame, run_dir, model_label: str) -> list[Path]:
     """``scored_judged/<model>/<arm_key>.jsonl`` (the layout of ``scored/``)."""
-    from .evaluation import write_scored
     return write_scored(judged, run_dir, model_label, folder="scored_judged")
 
 
 def read_judged(run_dir, model_label: Optional[str] = None) -> pd.DataFrame:
     """Read back ``scored_judged/<model>/*.jsonl`` (all models when ``model_label`` is None)."""
-    from .evaluation import read_scored
     return read_scored(run_dir, model_label, folder="scored_judged",
                        hint="set the parameter 'judge' and run notebook 03_evaluation")
 
@@ -487,13 +481,11 @@ def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Seq
                          formulations: Sequence[str] | None = None, n_boot: int = 2000, seed: int = 0,
                          alpha: float = 0.05) -> dict:
     """``/judged/models/<model>`` of the evaluation summary (module docstring). Pure."""
-    from . import evaluation as ev
-
     forms = list(formulations or FORMULATIONS)
-    head = ev._sel(judged)
+    head = ev.select_arm(judged)
     units = car_units(head)
     cw = head[(head["condition"] == "tool_wrong") & head["cell"].isin(["arb", "both_wrong"])]
-    car = ev.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": ev._interval_obj(None, None, 0)}
+    car = ev.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": ev.interval_obj(None, None, 0)}
     return ev.plain({
         "headline": ev.headline_metrics(judged, forms, n_boot=n_boot, seed=seed, alpha=alpha),
         "car_judge": car,

@@ -53,11 +53,11 @@ def assign_cell(memory_correct: Optional[bool], mem_absent: bool, tool_correct: 
     """Cell of an episode (PROTOCOL §5): None when tool_correct is None (no_tool / noop);
     "mem_absent" when the memory was not elicited; else agree / arb / tool_gold / both_wrong by
     (memory_correct, tool_correct)."""
-    if tool_correct is None or _isna(tool_correct):
+    if tool_correct is None or isna(tool_correct):
         return None
     if bool(mem_absent):
         return "mem_absent"
-    if memory_correct is None or _isna(memory_correct):
+    if memory_correct is None or isna(memory_correct):
         raise ValueError("assign_cell: memory_correct is None but mem_absent is False; "
                          "memory_status() gives memory_correct=None only for an absent memory")
     mc, tc = bool(memory_correct), bool(tool_correct)
@@ -65,7 +65,7 @@ def assign_cell(memory_correct: Optional[bool], mem_absent: bool, tool_correct: 
             (False, True): "tool_gold", (False, False): "both_wrong"}[(mc, tc)]
 
 
-def _isna(x: Any) -> bool:
+def isna(x: Any) -> bool:
     try:
         return bool(pd.isna(x))
     except (TypeError, ValueError):
@@ -120,7 +120,7 @@ def flag_values(df: pd.DataFrame, flag: Flag) -> np.ndarray:
     return _bool(df[flag])
 
 
-def _mask(df: pd.DataFrame, spec: MetricSpec) -> np.ndarray:
+def metric_mask(df: pd.DataFrame, spec: MetricSpec) -> np.ndarray:
     m = df["condition"].isin(spec.conditions).to_numpy().copy()
     if spec.name == "cra_conflict":
         m = (((df["condition"] == "tool_wrong") & (df["cell"] == "arb"))
@@ -181,7 +181,7 @@ def arm_metrics(df: pd.DataFrame) -> dict[str, Any]:
     check_columns(df)
     out: dict[str, Any] = {}
     for spec in RATE_METRICS:
-        m = _mask(df, spec)
+        m = metric_mask(df, spec)
         out[spec.name] = float(flag_values(df[m], spec.flag).mean()) if m.any() else float("nan")
     out.update(_sizes(df))
     return out
@@ -192,7 +192,7 @@ def _num_den(df: pd.DataFrame, codes: np.ndarray, k: int) -> tuple[np.ndarray, n
     num = np.zeros((k, len(RATE_METRICS)))
     den = np.zeros((k, len(RATE_METRICS)))
     for j, spec in enumerate(RATE_METRICS):
-        m = _mask(df, spec)
+        m = metric_mask(df, spec)
         if not m.any():
             continue
         v = flag_values(df[m], spec.flag).astype(float)
@@ -202,7 +202,7 @@ def _num_den(df: pd.DataFrame, codes: np.ndarray, k: int) -> tuple[np.ndarray, n
 
 
 def _entry(value: float, lo: float, hi: float, n: int, n_boot_used: Optional[int] = None) -> dict[str, Any]:
-    j = _stats._jsonable
+    j = _stats.jsonable
     out = {"value": j(value), "ci95": [j(lo), j(hi)], "n": int(n)}
     if n_boot_used is not None:
         out["n_boot_used"] = int(n_boot_used)
@@ -225,7 +225,7 @@ def pooled_point_metrics(df: pd.DataFrame, formulation_col: str = "formulation")
     forms = [f for f in FORMULATIONS if f in set(df[formulation_col])]
     forms += sorted(set(df[formulation_col]) - set(forms), key=str)
     out: dict[str, Any] = {str(f): arm_metrics(df[df[formulation_col] == f]) for f in forms}
-    dens = {spec.name: [float(_mask(df[df[formulation_col] == f], spec).sum()) for f in forms]
+    dens = {spec.name: [float(metric_mask(df[df[formulation_col] == f], spec).sum()) for f in forms]
             for spec in RATE_METRICS}
     out["pooled"] = {spec.name: pool_formulations([out[str(f)][spec.name] for f in forms], dens[spec.name])
                      for spec in RATE_METRICS}

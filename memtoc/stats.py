@@ -36,7 +36,7 @@ class StatsInputError(MemtocError, ValueError):
     """Bad input to a statistical routine (mismatched lengths, NaN values, empty data)."""
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """Plain Python floats/ints; NaN/inf -> None."""
     if x is None:
         return None
@@ -116,7 +116,7 @@ def cluster_bootstrap(values: Sequence[float], cluster: Sequence[Any], n_boot: i
     s, c, _ = cluster_sums(v, cluster)
     reps = ratio_replicates(s, c, resample_weights(len(c), n_boot, seed=seed))
     lo, hi = percentile_ci(reps, alpha)
-    return {"value": _jsonable(v.mean()), "ci95": [_jsonable(lo), _jsonable(hi)], "n": int(v.size),
+    return {"value": jsonable(v.mean()), "ci95": [jsonable(lo), jsonable(hi)], "n": int(v.size),
             "n_clusters": int(len(c))}
 
 
@@ -178,7 +178,7 @@ def paired_contrast(treated: Any, untreated: Optional[Sequence[float]] = None,
     reps = s[idx].sum(1) / c[idx].sum(1)
     lo, hi = percentile_ci(reps, alpha)
     p = sign_flip_pvalue(s, n, delta, n_perm, rng=rng)
-    return {"delta": delta, "ci95": [_jsonable(lo), _jsonable(hi)], "p_signflip": p,
+    return {"delta": delta, "ci95": [jsonable(lo), jsonable(hi)], "p_signflip": p,
             "n_units": n, "n_questions": int(k)}
 
 

@@ -135,7 +135,7 @@ def test_missing_memory_is_a_clear_error(run):
 
 def test_metric_units_agree_with_arm_metrics(run):
     df = run[-1]
-    d = ev._sel(df, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
+    d = ev.select_arm(df, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
     d = d[d["formulation"] == "reference"]
     am = metrics.arm_metrics(d)
     for m in ("retention", "tool_follow", "wrong_follow", "err_abstain", "cra_conflict", "nc_acc"):

@@ -89,7 +89,10 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, StoppingCriteria
 
 from ..config import ConfigError, MemtocError
+from ..models import adapter_hash, attention_implementation, render_prompt, weights_hash
 from .base import Generator, Reply, final_line_done
+from .prefix import leaves_by_row, prefix_segments
+from .prefix import path as prefix_path
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +342,6 @@ class TransformersGenerator(Generator):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from ..models import adapter_hash, attention_implementation, weights_hash
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -422,7 +424,6 @@ class TransformersGenerator(Generator):
 
     # -- request building -----------------------------------------------------------------------
     def render(self, prompt: str) -> tuple[str, bool]:
-        from ..models import render_prompt
         return render_prompt(self.tokenizer, self.spec, prompt)
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
@@ -728,8 +729,6 @@ class TransformersGenerator(Generator):
         which can flip a near-tie greedy token (``memtoc bench generation --compare-share`` counts it).
         """
         import torch
-        from .prefix import leaves_by_row, path, prefix_segments
-
         dev = input_ids.device
         B, P = input_ids.shape
         lens = attn.sum(-1).tolist()
@@ -742,7 +741,7 @@ class TransformersGenerator(Generator):
             total += len(s.tokens)
 
         def slots(index):                       # store slots of a segment's path, in token order
-            return [t for i in path(segs, index) for t in range(slot0[i], slot0[i] + len(segs[i].tokens))]
+            return [t for i in prefix_path(segs, index) for t in range(slot0[i], slot0[i] + len(segs[i].tokens))]
 
         store_k: list = []
         store_v: list = []

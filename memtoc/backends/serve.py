@@ -23,6 +23,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from ..models import load_generator
+
 
 class _Job:
     def __init__(self, prompt: str, max_tokens: int):
@@ -140,7 +142,6 @@ def make_handler(engine: Engine, served_name: str, default_max_tokens: int):
 def serve(name: str, host: str = "127.0.0.1", port: int = 8000, served_name: Optional[str] = None,
           batch_size: int = 8, dtype: str = "auto", max_new_tokens: int = 48, stop_at_final: bool = True,
           model_cache_dir: Optional[str] = None) -> ThreadingHTTPServer:
-    from ..models import load_generator
     gen = load_generator(name, backend="transformers", batch_size=batch_size, dtype=dtype,
                          max_new_tokens=max_new_tokens, stop_at_final=stop_at_final,
                          model_cache_dir=model_cache_dir, show_progress=False)

@@ -22,7 +22,9 @@ from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm
 
+from ..models import adapter_hash, render_prompt, weights_hash
 from .base import Generator, Reply, truncate_after_final
+from .openai import BackendError
 
 
 def vllm_dtype(dtype: str) -> str:
@@ -31,7 +33,6 @@ def vllm_dtype(dtype: str) -> str:
 
 def build_requests(tokenizer, spec, prompts: list[str]) -> list[dict[str, Any]]:
     """vLLM prompt dicts (``{"prompt_token_ids": [...]}``) for user-turn prompts, memtoc's format."""
-    from ..models import render_prompt
     out = []
     for p in prompts:
         text, special = render_prompt(tokenizer, spec, p)
@@ -69,12 +70,10 @@ class VLLMGenerator(Generator):
         try:
             import vllm  # noqa: F401
         except ImportError:
-            from .openai import BackendError
             raise BackendError("backend 'vllm' needs the vllm package (a GPU install): pip install "
                                "'memtoc[gpu]'; on a CPU use backend 'transformers'") from None
         from transformers import AutoTokenizer
 
-        from ..models import adapter_hash, weights_hash
 
         self.spec = spec
         self.path = Path(path)
