@@ -146,8 +146,8 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
     pos_int_or_none("n_counterfactual")
     pos_int_or_none("n_unanswerable")
-    forms = t["formulations"] if t["formulations"] is not None else list(P.get("formulations") or FORMULATIONS)
-    forms = ordered_subset(forms, FORMULATIONS)
+    forms = ordered_subset(t["formulations"] if t["formulations"] is not None
+                           else list(P.get("formulations") or FORMULATIONS), FORMULATIONS)
     if forms is None:
         fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
     t["formulations"] = forms
@@ -176,8 +176,7 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
         v = t[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             fail(key, f"must be a positive integer, got {v!r}")
-    rf = t["reverse_train_formulations"]
-    rf = ordered_subset(rf, FORMULATIONS)
+    rf = ordered_subset(t["reverse_train_formulations"], FORMULATIONS)
     if rf is None:
         fail("reverse_train_formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
     t["reverse_train_formulations"] = rf
