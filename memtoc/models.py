@@ -386,18 +386,14 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
         sig = load_signature(backend, spec.name, weights_hash(path, cache_dir),
                              adapter_hash(adapter) if adapter is not None else None, path=str(path),
                              batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens, options=opts)
-    if backend == "transformers":
-        from .backends.hf import TransformersGenerator
-        return LazyGenerator.of(TransformersGenerator, (spec, path), dict(
-            adapter=adapter, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
-            cache_dir=cache_dir, **opts), sig, model_cache_root(cache_dir) / "_identities")
-    if backend == "vllm":
-        from .backends.vllm import VLLMGenerator
-        return LazyGenerator.of(VLLMGenerator, (spec, path), dict(
-            adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts),
-            sig, model_cache_root(cache_dir) / "_identities")
+        kwargs = dict(adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts)
+        if backend == "transformers":
+            from .backends.hf import TransformersGenerator as cls
+            kwargs["batch_size"] = batch_size
+        else:
+            from .backends.vllm import VLLMGenerator as cls
+        return LazyGenerator.of(cls, (spec, path), kwargs, sig, model_cache_root(cache_dir) / "_identities")
     from .backends.openai import OpenAIGenerator
-    opts.pop("model_cache_dir", None)
     return OpenAIGenerator(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)
 
 
