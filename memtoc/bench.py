@@ -30,7 +30,7 @@ generation
     matrix shapes).
 
 stats
-    ``memtoc.stats.run_benchmark()`` (bootstrap and sign-flip timings), printed.
+    ``memtoc.bench.stats_benchmark()`` (bootstrap and sign-flip timings), printed.
 """
 from __future__ import annotations
 
@@ -42,12 +42,15 @@ import statistics
 import time
 from typing import Any, Optional
 
+import numpy as np
+
+from . import metrics, stats
 from .benchmark import load_benchmark, select_questions
 from .config import ConfigError
 from .episodes import build_episodes
 from .models import load_generator
 from .scoring import extract_final
-from .stats import run_benchmark
+from .vocab import ARM_CONDITIONS
 
 
 def matmul_rate(dtype: str = "bfloat16", n: int = 2048, repeats: int = 5) -> float:
@@ -72,13 +75,47 @@ def matmul_dtype(torch_dtype) -> str:
 
 def bench_prompts(n: int, release_dir: Optional[str] = None) -> list[str]:
     bench = load_benchmark(release_dir)
-    conds = ("tool_right", "tool_wrong", "tool_error")
+    conds = ARM_CONDITIONS
     qs = select_questions(bench.analysis, n, 0)
     prompts = []
     for i, q in enumerate(qs):
         ep = build_episodes([q], ["reference"], [conds[i % len(conds)]])[0]
         prompts.append(ep.prompt)
     return prompts[:n]
+
+
+def stats_benchmark(n_questions: int = 542, n_boot: int = stats.DEFAULT_N_BOOT, n_perm: int = stats.DEFAULT_N_PERM,
+                  seed: int = 0, repeats: int = 3) -> dict[str, Any]:
+    """Time the full metric set of one synthetic arm (``n_questions`` questions x 3 formulations x
+    the 4 core conditions) with ``n_boot`` cluster-bootstrap resamples (per-formulation and pooled
+    CIs, ``metrics.summarize``), and one paired contrast with ``n_perm`` sign flips. Best of
+    ``repeats``; returns seconds."""
+    df = metrics.synthetic_arm(n_questions, seed=seed)
+    t_boot = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        metrics.summarize(df, by=("model", "arm", "formulation"), n_boot=n_boot, seed=seed)
+        t_boot.append(time.perf_counter() - t0)
+    rng = np.random.default_rng(seed)
+    treated = rng.integers(0, 2, 3 * n_questions)
+    untreated = rng.integers(0, 2, 3 * n_questions)
+    cluster = np.repeat(np.arange(n_questions), 3)
+    t_perm, t_contrast = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        s, _, _ = stats.cluster_sums(treated - untreated, cluster)
+        stats.sign_flip_pvalue(s, treated.size, 0.0, n_perm, seed=seed)
+        t_perm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        stats.paired_contrast(treated, untreated, cluster, n_boot=n_boot, n_perm=n_perm, seed=seed)
+        t_contrast.append(time.perf_counter() - t0)
+    n_metrics = len(metrics.CELL_METRICS)
+    return {"n_questions": n_questions, "n_formulations": 3, "n_episodes": int(len(df)),
+            "n_metrics": n_metrics, "n_boot": n_boot, "n_perm": n_perm,
+            "seconds_metric_set_bootstrap": min(t_boot),
+            "seconds_sign_flips": min(t_perm),
+            "seconds_paired_contrast": min(t_contrast),
+            "repeats": repeats}
 
 
 def param_counts(model) -> tuple[int, int]:
@@ -254,7 +291,7 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--compare-share", action="store_true",
                    help="also time the batched run with the other prefix setting and count differing replies")
     g.add_argument("--release", default=None)
-    s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.stats.run_benchmark)")
+    s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.bench.stats_benchmark)")
     s.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.what == "generation":
@@ -270,7 +307,7 @@ def cli(argv: list[str]) -> int:
                              repeats=max(1, a.repeats))
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
-    r = run_benchmark()
+    r = stats_benchmark()
     if a.json:
         print(json.dumps(r))
     else:

@@ -14,9 +14,10 @@ from typing import Any, Iterable
 
 import yaml
 
+from .vocab import BACKENDS, CLOSED_BOOK_VARIANTS, DTYPES, EXTRA_ARMS, FORMULATIONS, MATCHERS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-FORMULATIONS: tuple[str, ...] = ("reference", "paraphrase_a", "paraphrase_b")
 PAPER_SEED = 20260721
 
 
@@ -120,7 +121,7 @@ DEFAULTS: dict[str, Any] = {
     "n_questions_extra": 60,         # extra arms (far, payloads, noop, prompting, frames)
     "closed_book_variant": "forced",  # forced (primary) | permissive
     "elicit_permissive": True,       # also elicit the permissive variant (for comparison)
-    "extra_arms": ["far", "payloads", "noop", "prompting", "frames", "no_protocol_sentence"],
+    "extra_arms": list(EXTRA_ARMS),    # memtoc.vocab.EXTRA_ARM_SPECS
     # scoring and statistics
     "matcher": "paper",              # paper | strict
     "n_boot": 1000,                 # the release's bootstrap size (PROTOCOL §6)
@@ -180,7 +181,10 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
                                 f"got {p['backend_options']!r}")
     if not isinstance(p["models"], list) or not p["models"] or not all(isinstance(m, str) for m in p["models"]):
         fail("models", "must be a non-empty list of model names or local HF paths")
-    check_choice("backend", p["backend"], ["transformers", "vllm", "openai"])
+    for field, what, valid in (("backend", "backend", BACKENDS), ("closed_book_variant", "closed-book variant",
+                               CLOSED_BOOK_VARIANTS), ("matcher", "matcher", MATCHERS), ("dtype", "dtype", DTYPES)):
+        if p[field] not in valid:
+            fail(field, f"unknown {what} {p[field]!r}; valid {what}s are: {', '.join(valid)}")
     if not isinstance(p["formulations"], list) or not p["formulations"]:
         fail("formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
     try:
@@ -200,12 +204,12 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
             fail(field, f"must be a positive integer (at least 1), got {p[field]!r}")
     if not (p["batch_size"] == "auto" or (isinstance(p["batch_size"], int) and p["batch_size"] > 0)):
         fail("batch_size", "must be a positive integer or 'auto'")
-    check_choice("closed_book_variant", p["closed_book_variant"], ["forced", "permissive"])
-    check_choice("matcher", p["matcher"], ["paper", "strict"])
-    check_choice("dtype", p["dtype"], ["auto", "bfloat16", "float32", "float16"])
     if not isinstance(p["extra_arms"], list):
         fail("extra_arms", "must be a list")
-    check_choices("extra arm", p["extra_arms"], DEFAULTS["extra_arms"])
+    unknown = [a for a in p["extra_arms"] if a not in EXTRA_ARMS]
+    if unknown:     # never a silent drop: an arm nobody analyses would spend compute for nothing
+        fail("extra_arms", f"unknown extra arm(s) {unknown}; valid extra arms are: {', '.join(EXTRA_ARMS)} "
+                           "(memtoc.vocab.EXTRA_ARM_SPECS; docs/architecture.md, recipe 'add an arm')")
     a = p["alpha"]
     if not isinstance(a, (int, float)) or isinstance(a, bool) or not (0 < a < 1):
         fail("alpha", f"must be a number in (0, 1), e.g. 0.05, got {a!r}")
@@ -239,8 +243,8 @@ def check_judge(j: Any, fail) -> dict[str, Any]:
     out = {"model": j["model"], "backend": j.get("backend", "transformers"),
            "backend_options": {} if j.get("backend_options") is None else j["backend_options"],
            "max_new_tokens": j.get("max_new_tokens", 32)}
-    if out["backend"] not in ("transformers", "vllm", "openai"):
-        fail("judge.backend", f"must be one of transformers, vllm, openai, got {out['backend']!r}")
+    if out["backend"] not in BACKENDS:
+        fail("judge.backend", f"must be one of {', '.join(BACKENDS)}, got {out['backend']!r}")
     if not isinstance(out["backend_options"], dict):
         fail("judge.backend_options", "must be a mapping (e.g. {base_url: ..., api_key: ...} for openai)")
     mnt = out["max_new_tokens"]

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import pandas as pd
 
-from .config import FORMULATIONS, DataError, check_choice, check_choices
+from .config import DataError, check_choice, check_choices
 from .metrics import assign_cell
 from .prompts import closed_book_prompt
 from .records import Question, dumps
@@ -32,9 +32,7 @@ from .scoring import memory_status
 COLUMNS = ["model", "formulation", "variant", "question_id", "qkey", "instance_id", "response", "span",
            "mem_absent", "memory_correct"]
 EXTRA_COLUMNS = ["gold", "gold_kind", "fold", "n_new_tokens", "cached"]
-VARIANTS = ("forced", "permissive")
-# the four source-correctness cells (memory × tool) plus the memory-absent cell
-CELLS = ("agree", "arb", "tool_gold", "both_wrong", "mem_absent")
+from .vocab import CELLS, CLOSED_BOOK_VARIANTS as VARIANTS, FORMULATIONS  # noqa: E402  (re-exported names)
 
 
 def cache_stem(formulation: str, variant: str) -> str:

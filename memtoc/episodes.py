@@ -27,15 +27,14 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from .benchmark import select_questions
-from .config import FORMULATIONS, PAPER_SEED, ConfigError, DataError, check_choices
-from .prompts import (ARMS, FRAMES, NOOP_OUTPUT, PAYLOAD_KINDS, closed_book_prompt, error_payload,
-                      synthesize_schema, value_output, with_tool_prompt)
+from .config import PAPER_SEED, ConfigError, DataError, check_choices
+from .prompts import (NOOP_OUTPUT, closed_book_prompt, error_payload, synthesize_schema, value_output,
+                      with_tool_prompt)
 from .records import Episode, Question, dumps, unique_by
 
-CORE_CONDITIONS = ("tool_right", "tool_wrong", "tool_error", "no_tool")
-ALL_CONDITIONS = ("tool_right", "tool_wrong", "tool_far", "tool_error", "no_tool", "noop")
-VALUE_CONDITIONS = ("tool_right", "tool_wrong", "tool_far")
-MITIGATION_ARMS = ("warn", "prior", "flag")
+from .vocab import (ALL_CONDITIONS, ARMS, BASELINE_ARM, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD, EXTRA_ARM_SPECS,
+                    FORMULATIONS, FRAMES, PAYLOAD_KINDS, VALUE_CONDITIONS)
+
 PV = {f: i for i, f in enumerate(FORMULATIONS)}
 
 __all__ = ["CORE_CONDITIONS", "ALL_CONDITIONS", "VALUE_CONDITIONS", "FRAMES", "ARMS", "PAYLOAD_KINDS",
@@ -45,11 +44,11 @@ __all__ = ["CORE_CONDITIONS", "ALL_CONDITIONS", "VALUE_CONDITIONS", "FRAMES", "A
 def episode_id(q: Question, formulation: str, condition: str, frame: str = "schema", arm: str = "untreated",
                payload_kind: Optional[str] = None) -> str:
     eid = f"{q.instance_id}-{q.hop_idx}-{condition}-v{PV[formulation]}"
-    if payload_kind and payload_kind != "service_unavailable":
+    if payload_kind and payload_kind != DEFAULT_PAYLOAD:
         eid += f"-{payload_kind}"
-    if frame != "schema":
+    if frame != DEFAULT_FRAME:
         eid += f"-{frame}"
-    if arm != "untreated":
+    if arm != BASELINE_ARM:
         eid += f"-{arm}"
     return eid
 
@@ -94,8 +93,8 @@ def _one(q: Question, formulation: str, condition: str, frame: str, arm: str,
 
 
 def build_episodes(questions: Iterable[Question], formulations: Sequence[str], conditions: Sequence[str],
-                   frames: Sequence[str] = ("schema",), arms: Sequence[str] = ("untreated",),
-                   payload_kinds: Sequence[str] = ("service_unavailable",)) -> list[Episode]:
+                   frames: Sequence[str] = (DEFAULT_FRAME,), arms: Sequence[str] = (BASELINE_ARM,),
+                   payload_kinds: Sequence[str] = (DEFAULT_PAYLOAD,)) -> list[Episode]:
     """All episodes of the cross product, in the order formulation, question, condition, payload
     kind, frame, arm (see the module docstring for which combinations exist)."""
     formulations = check_choices("formulation", _as_list(formulations, "formulations"), FORMULATIONS)
@@ -176,7 +175,8 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     Headline: the first ``P["n_questions"]`` of ``select_questions(benchmark.analysis, seed)`` with
     CORE_CONDITIONS, for every formulation in ``P["formulations"]``. Extra arms, on the first
     ``P["n_questions_extra"]`` of the same selection (so they are a subset of the headline
-    questions), as listed in ``P["extra_arms"]``:
+    questions), as listed in ``P["extra_arms"]`` (each adds the episodes of its
+    ``vocab.EXTRA_ARM_SPECS`` entry, in that order):
 
     * ``far``: tool_far (schema frame, untreated) where a far value exists;
     * ``payloads``: tool_error with the ``timeout`` and ``permission_denied`` payloads;
@@ -197,17 +197,8 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     arms = set(P.get("extra_arms") or [])
     if extra:
         eps += build_episodes(extra, forms, CORE_CONDITIONS)
-        if "far" in arms:
-            eps += build_episodes(extra, forms, ("tool_far",))
-        if "payloads" in arms:
-            eps += build_episodes(extra, forms, ("tool_error",), payload_kinds=("timeout", "permission_denied"))
-        if "noop" in arms:
-            eps += build_episodes(extra, forms, ("noop",))
-        if "prompting" in arms:
-            eps += build_episodes(extra, forms, ("tool_right", "tool_wrong", "tool_error"), arms=MITIGATION_ARMS)
-        if "frames" in arms:
-            eps += build_episodes(extra, forms, ("tool_right", "tool_wrong"), frames=("no_schema", "passage"))
-        if "no_protocol_sentence" in arms:
-            eps += build_episodes(extra, forms, ("tool_right", "tool_wrong", "tool_error"),
-                                  arms=("no_protocol_sentence",))
+        for spec in EXTRA_ARM_SPECS:
+            if spec.name in arms:
+                eps += build_episodes(extra, forms, spec.conditions, frames=spec.frames, arms=spec.arms,
+                                      payload_kinds=spec.payload_kinds)
     return unique_by(eps, lambda e: e.episode_id)

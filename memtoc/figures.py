@@ -26,6 +26,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .config import MemtocError  # noqa: E402
+from .vocab import BASELINE_ARM, CONFLICT_CONDITIONS, DEFAULT_FRAME, FOUR_CELLS, HEADLINE_METRICS  # noqa: E402
 
 METRIC_LABELS = {
     "retention": "Retention\n(arb, tool wrong)",
@@ -69,12 +70,12 @@ def source_matrix_counts(scored: pd.DataFrame) -> pd.DataFrame:
     (mem_absent excluded), pooled over formulations.
     """
     _need(scored, ["model", "condition", "cell", "followed_tool", "kept_memory"], "source_matrix")
-    d = scored[scored["condition"].isin(["tool_right", "tool_wrong"])]
+    d = scored[scored["condition"].isin(CONFLICT_CONDITIONS)]
     if "arm" in d.columns:
-        d = d[d["arm"] == "untreated"]
+        d = d[d["arm"] == BASELINE_ARM]
     if "frame" in d.columns:
-        d = d[d["frame"] == "schema"]
-    d = d[d["cell"].isin(["agree", "arb", "tool_gold", "both_wrong"])]
+        d = d[d["frame"] == DEFAULT_FRAME]
+    d = d[d["cell"].isin(FOUR_CELLS)]
     mem = {"agree": "memory correct", "arb": "memory correct", "tool_gold": "memory incorrect",
            "both_wrong": "memory incorrect"}
     tool = {"agree": "tool correct", "arb": "tool incorrect", "tool_gold": "tool correct",
@@ -82,7 +83,7 @@ def source_matrix_counts(scored: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for model in sorted(scored["model"].unique()):
         dm = d[d["model"] == model]
-        for cell in ("agree", "arb", "tool_gold", "both_wrong"):
+        for cell in FOUR_CELLS:
             dc = dm[dm["cell"] == cell]
             n = len(dc)
             rows.append({"model": model, "cell": cell, "memory": mem[cell], "tool": tool[cell], "n": n,
@@ -115,7 +116,7 @@ def source_matrix(scored: pd.DataFrame, path) -> Path:
     return save(fig, path)
 
 
-def headline(table: pd.DataFrame, path, metrics: Sequence[str] = ("retention", "tool_follow", "wrong_follow", "err_abstain")) -> Path:
+def headline(table: pd.DataFrame, path, metrics: Sequence[str] = HEADLINE_METRICS) -> Path:
     """Point estimates with 95% intervals per metric, one colour per formulation (+ pooled),
     one panel per model. ``table`` columns: model, formulation, metric, value, lo, hi, n."""
     _need(table, ["model", "formulation", "metric", "value", "lo", "hi"], "headline")

@@ -124,12 +124,13 @@ from .construct import related_links, related_summary
 from .episodes import build_episodes
 from .models import ModelError, attention_implementation, get_model
 from .records import Episode, Question
+from .vocab import ARM_CONDITIONS, CONFLICT_CONDITIONS, HEADLINE_METRICS
 
 SCHEMA_VERSION = 2
 OBJECTIVES = ("sft", "dpo")
-TRAIN_CONDITIONS = ("tool_right", "tool_wrong")
-EVAL_CONDITIONS = ("tool_right", "tool_wrong", "tool_error")
-METRICS = ("retention", "tool_follow", "wrong_follow", "err_abstain")
+TRAIN_CONDITIONS = CONFLICT_CONDITIONS            # the DPO/SFT pairs: tool_right, tool_wrong
+EVAL_CONDITIONS = ARM_CONDITIONS                  # tool_right, tool_wrong, tool_error
+METRICS = HEADLINE_METRICS
 
 #: Every key of the ``finetune`` parameter, with its default (see params/finetune.yaml).
 FT_DEFAULTS: dict[str, Any] = {

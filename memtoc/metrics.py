@@ -41,10 +41,10 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 import pandas as pd
 
-from .config import DataError, FORMULATIONS
 from . import stats as _stats
-
-CELLS = ("agree", "arb", "tool_gold", "both_wrong", "mem_absent")
+from .config import DataError
+from .vocab import (CELL_SIZES, CELLS, CORE_CONDITIONS, FORMULATIONS, HEADLINE_METRICS, METRIC_NAMES,
+                    SECONDARY_METRICS)
 REQUIRED_COLUMNS = ("qkey", "condition", "cell", "followed_tool", "kept_memory", "outcome",
                     "final_correct", "abstain")
 
@@ -77,27 +77,96 @@ Flag = Union[str, tuple, Callable[[pd.DataFrame], pd.Series]]
 
 @dataclass(frozen=True)
 class MetricSpec:
+    """One metric: which episodes form its denominator and which flag is its numerator.
+
+    ``support`` maps each condition to the cells counted (None: every episode of the condition);
+    an empty ``support`` means "the condition the caller names" (``accuracy``, ``abstain``: the
+    noop and no_tool analyses). ``cell_metric``: computed per arm by :func:`arm_metrics` /
+    :func:`summarize_group` (the headline block); the others are condition-level rates used by the
+    frames / far / noop analyses. ``families``: the Holm families (``stats.FAMILIES``) that correct
+    this metric's contrasts; every other contrast of it is an uncorrected diagnostic."""
     name: str
-    conditions: tuple[str, ...]
-    cells: Optional[tuple[str, ...]]    # None: every episode of the condition(s)
+    support: tuple[tuple[str, Optional[tuple[str, ...]]], ...]
     flag: Flag                          # column name, (column, value) or callable
+    definition: str
+    cell_metric: bool = True
+
+    @property
+    def conditions(self) -> tuple[str, ...]:
+        return tuple(c for c, _ in self.support)
+
+    @property
+    def cells(self) -> Optional[tuple[str, ...]]:
+        """The cells of the first condition (None: all); the full rule is ``support``."""
+        return self.support[0][1] if self.support else None
+
+    @property
+    def headline(self) -> bool:
+        return self.name in HEADLINE_METRICS
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(f.name for f in _stats.FAMILIES.values() if f.metric == self.name)
 
 
-RATE_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("retention", ("tool_wrong",), ("arb",), ("outcome", "kept_memory")),
-    MetricSpec("keep_flag", ("tool_wrong",), ("arb",), "kept_memory"),
-    MetricSpec("cra_arb", ("tool_wrong",), ("arb",), "final_correct"),
-    MetricSpec("tool_follow", ("tool_right",), ("tool_gold",), "followed_tool"),
-    MetricSpec("wrong_follow", ("tool_wrong",), ("both_wrong",), "followed_tool"),
-    MetricSpec("bw_gold", ("tool_wrong",), ("both_wrong",), "final_correct"),
-    MetricSpec("err_abstain", ("tool_error",), None, "abstain"),
-    MetricSpec("cra_conflict", ("tool_wrong", "tool_right"), None, "final_correct"),
-    MetricSpec("agree_acc", ("tool_right",), ("agree",), "final_correct"),
-    MetricSpec("nc_acc", ("tool_right",), ("tool_gold",), "final_correct"),
-)
-METRIC_NAMES = tuple(m.name for m in RATE_METRICS)
-SPECS = {m.name: m for m in RATE_METRICS}
-SIZE_NAMES = ("n_arb", "n_tool_gold", "n_both_wrong", "n_agree", "n_mem_absent", "n_err", "n_both_in_arb")
+def _spec(name: str, support: dict, flag: Flag, definition: str, cell_metric: bool = True) -> MetricSpec:
+    return MetricSpec(name, tuple((c, None if v is None else tuple(v)) for c, v in support.items()), flag,
+                      definition, cell_metric)
+
+
+#: The metric registry: every metric a table, figure, summary section, claim or the report names.
+METRICS: dict[str, MetricSpec] = {s.name: s for s in (
+    _spec("retention", {"tool_wrong": ["arb"]}, ("outcome", "kept_memory"),
+          "tool_wrong, arb cell (memory correct, tool incorrect): outcome kept_memory (ties 'both' excluded)"),
+    _spec("keep_flag", {"tool_wrong": ["arb"]}, "kept_memory",
+          "tool_wrong, arb cell: kept_memory flag (ties 'both' included; legacy)"),
+    _spec("cra_arb", {"tool_wrong": ["arb"]}, "final_correct", "tool_wrong, arb cell: final answer correct"),
+    _spec("tool_follow", {"tool_right": ["tool_gold"]}, "followed_tool",
+          "tool_right, tool_gold cell (memory incorrect, tool correct): followed the tool value"),
+    _spec("wrong_follow", {"tool_wrong": ["both_wrong"]}, "followed_tool",
+          "tool_wrong, both_wrong cell (memory and tool incorrect): followed the incorrect tool value"),
+    _spec("bw_gold", {"tool_wrong": ["both_wrong"]}, "final_correct",
+          "tool_wrong, both_wrong cell: final answer correct"),
+    _spec("err_abstain", {"tool_error": None}, "abstain",
+          "tool_error, all episodes (mem_absent included): the final answer abstains"),
+    _spec("cra_conflict", {"tool_wrong": ["arb"], "tool_right": ["tool_gold"]}, "final_correct",
+          "tool_wrong in the arb cell + tool_right in the tool_gold cell: final answer correct"),
+    _spec("agree_acc", {"tool_right": ["agree"]}, "final_correct", "tool_right, agree cell: final answer correct"),
+    _spec("nc_acc", {"tool_right": ["tool_gold"]}, "final_correct",
+          "tool_right, tool_gold cell: final answer correct (the release's no-conflict accuracy; under "
+          "deterministic decoding it equals correct-tool following by construction, since the release's "
+          "no_conflict episodes re-generate tool_right byte for byte)"),
+    _spec("correct_value_follow", {"tool_right": None}, "followed_tool",
+          "tool_right, all episodes: followed the (correct) tool value", cell_metric=False),
+    _spec("incorrect_value_follow", {"tool_wrong": None}, "followed_tool",
+          "tool_wrong (or tool_far), all episodes: followed the (incorrect) tool value", cell_metric=False),
+    _spec("accuracy", {}, "final_correct", "all episodes of the condition: final answer correct", cell_metric=False),
+    _spec("abstain", {}, "abstain", "all episodes of the condition: the final answer abstains", cell_metric=False),
+)}
+assert tuple(METRICS) == METRIC_NAMES, "metrics.METRICS must define every vocab.METRIC_NAMES, in that order"
+#: the per-arm metric set of the headline block (arm_metrics / summarize_group), in registry order
+CELL_METRICS: tuple[MetricSpec, ...] = tuple(s for s in METRICS.values() if s.cell_metric)
+SIZE_NAMES = CELL_SIZES
+
+
+class UnknownMetricError(DataError):
+    """A metric name that is not in the registry."""
+
+
+def metric_spec(name: str) -> MetricSpec:
+    """The registry entry of ``name``; an unknown name is an error listing the known ones."""
+    if name not in METRICS:
+        raise UnknownMetricError(f"unknown metric {name!r}; known metrics: {', '.join(METRICS)} "
+                                 "(memtoc.metrics.METRICS; docs/architecture.md, recipe 'add a metric')")
+    return METRICS[name]
+
+
+def definitions(names: Optional[Iterable[str]] = None) -> dict[str, str]:
+    """``{metric: one-line definition}``: the given metrics, or every metric with the headline ones
+    first, then the secondary ones, then the rest in registry order (``/metrics`` of the summaries)."""
+    if names is None:
+        names = list(dict.fromkeys(HEADLINE_METRICS + SECONDARY_METRICS + tuple(METRICS)))
+    return {n: metric_spec(n).definition for n in names}
 
 
 def _as_tuple(x: Union[None, str, Iterable[str]]) -> Optional[tuple[str, ...]]:
@@ -121,13 +190,52 @@ def flag_values(df: pd.DataFrame, flag: Flag) -> np.ndarray:
 
 
 def metric_mask(df: pd.DataFrame, spec: MetricSpec) -> np.ndarray:
-    m = df["condition"].isin(spec.conditions).to_numpy().copy()
-    if spec.name == "cra_conflict":
-        m = (((df["condition"] == "tool_wrong") & (df["cell"] == "arb"))
-             | ((df["condition"] == "tool_right") & (df["cell"] == "tool_gold"))).to_numpy()
-    elif spec.cells is not None:
-        m &= df["cell"].isin(spec.cells).to_numpy()
+    """Rows of ``df`` in the metric's denominator (its ``support``)."""
+    m = np.zeros(len(df), dtype=bool)
+    for cond, cells in spec.support:
+        mc = df["condition"] == cond
+        if cells is not None:
+            mc &= df["cell"].isin(cells)
+        m |= mc.to_numpy()
     return m
+
+
+def metric_units(df: pd.DataFrame, metric: str, condition: Optional[str] = None) -> pd.DataFrame:
+    """Per-episode 0/1 values of ``metric``: columns ``formulation, qkey, value`` (+ model / arm /
+    frame / payload_kind when present). Rows outside the metric's denominator are dropped.
+
+    ``condition`` makes the episodes of another condition play the metric's condition (e.g.
+    ``tool_far`` episodes for far retention, ``noop`` for accuracy); a metric with an empty support
+    (``accuracy``, ``abstain``) requires it."""
+    spec = metric_spec(metric)
+    d = df
+    if condition is not None:
+        d = df[df["condition"] == condition]
+        if spec.support:
+            d = d.assign(condition=spec.conditions[0])
+        sub = d[metric_mask(d, spec)] if spec.support else d
+    elif not spec.support:
+        raise UnknownMetricError(f"metric {metric!r} needs an explicit condition")
+    else:
+        sub = d[metric_mask(d, spec)]
+    val = flag_values(sub, spec.flag)
+    cols = [c for c in ("model", "arm", "frame", "payload_kind", "formulation", "qkey") if c in sub.columns]
+    out = sub[cols].copy()
+    out["value"] = np.asarray(val, dtype=float)
+    return out.reset_index(drop=True)
+
+
+def paired_units(treat: pd.DataFrame, base: pd.DataFrame) -> pd.DataFrame:
+    """Inner join of two unit tables (:func:`metric_units`) on (formulation, qkey): the common
+    support of a paired contrast. Columns formulation, qkey, t, b. ``attrs`` carries
+    ``n_treated_only`` / ``n_untreated_only``: the units outside the common support on either side
+    (the paper reports them beside every delta)."""
+    t = treat.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("t")
+    b = base.groupby(["formulation", "qkey"], sort=False)["value"].mean().rename("b")
+    out = pd.concat([t, b], axis=1, join="inner").reset_index()
+    out.attrs["n_treated_only"] = int(len(t) - len(out))
+    out.attrs["n_untreated_only"] = int(len(b) - len(out))
+    return out
 
 
 def subset(df: pd.DataFrame, condition: Union[str, Iterable[str]], cell: Union[None, str, Iterable[str]] = None
@@ -180,7 +288,7 @@ def arm_metrics(df: pd.DataFrame) -> dict[str, Any]:
     plus the cell sizes. Rates are floats, NaN for an empty denominator."""
     check_columns(df)
     out: dict[str, Any] = {}
-    for spec in RATE_METRICS:
+    for spec in CELL_METRICS:
         m = metric_mask(df, spec)
         out[spec.name] = float(flag_values(df[m], spec.flag).mean()) if m.any() else float("nan")
     out.update(_sizes(df))
@@ -189,9 +297,9 @@ def arm_metrics(df: pd.DataFrame) -> dict[str, Any]:
 
 def _num_den(df: pd.DataFrame, codes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-cluster numerators and denominators (K x M) of every rate metric."""
-    num = np.zeros((k, len(RATE_METRICS)))
-    den = np.zeros((k, len(RATE_METRICS)))
-    for j, spec in enumerate(RATE_METRICS):
+    num = np.zeros((k, len(CELL_METRICS)))
+    den = np.zeros((k, len(CELL_METRICS)))
+    for j, spec in enumerate(CELL_METRICS):
         m = metric_mask(df, spec)
         if not m.any():
             continue
@@ -226,9 +334,9 @@ def pooled_point_metrics(df: pd.DataFrame, formulation_col: str = "formulation")
     forms += sorted(set(df[formulation_col]) - set(forms), key=str)
     out: dict[str, Any] = {str(f): arm_metrics(df[df[formulation_col] == f]) for f in forms}
     dens = {spec.name: [float(metric_mask(df[df[formulation_col] == f], spec).sum()) for f in forms]
-            for spec in RATE_METRICS}
+            for spec in CELL_METRICS}
     out["pooled"] = {spec.name: pool_formulations([out[str(f)][spec.name] for f in forms], dens[spec.name])
-                     for spec in RATE_METRICS}
+                     for spec in CELL_METRICS}
     return out
 
 
@@ -270,7 +378,7 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
         ci = _stats.percentile_ci(r, alpha)
         used = np.isfinite(r).sum(0)
         block = {spec.name: _entry(point[j], ci[0, j], ci[1, j], den[:, j].sum(), used[j] if den[:, j].sum() else 0)
-                 for j, spec in enumerate(RATE_METRICS)}
+                 for j, spec in enumerate(CELL_METRICS)}
         block.update(_sizes(sub))
         out[str(f)] = block
         points.append(point)
@@ -278,7 +386,7 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
         dens.append(den.sum(0))
     points_a, reps_a, dens_a = np.array(points), np.array(reps), np.array(dens)   # (F,M) (F,B,M) (F,M)
     pooled: dict[str, Any] = {}
-    for j, spec in enumerate(RATE_METRICS):
+    for j, spec in enumerate(CELL_METRICS):
         use = dens_a[:, j] > 0
         if not use.any():
             pooled[spec.name] = _entry(np.nan, np.nan, np.nan, 0, 0)
@@ -345,7 +453,7 @@ def synthetic_arm(n_questions: int = 542, seed: int = 0, formulations: Sequence[
     benchmarks and tests. Not benchmark data."""
     rng = np.random.default_rng(seed)
     rows = []
-    conds = ("tool_right", "tool_wrong", "tool_error", "no_tool")
+    conds = CORE_CONDITIONS
     tool_correct = {"tool_right": True, "tool_wrong": False, "tool_error": False, "no_tool": None}
     for f in formulations:
         mem_absent = rng.random(n_questions) < 0.05

@@ -28,12 +28,8 @@ import json
 import re
 from typing import Any, Optional
 
-from .config import FORMULATIONS, check_choice
-
-CLOSED_BOOK_VARIANTS = ("forced", "permissive")
-FRAMES = ("schema", "no_schema", "passage")
-ARMS = ("untreated", "warn", "prior", "flag", "no_protocol_sentence")
-PAYLOAD_KINDS = ("service_unavailable", "timeout", "permission_denied")
+from .config import check_choice
+from .vocab import ARMS, CLOSED_BOOK_VARIANTS, FORMULATIONS, FRAMES, PAYLOAD_KINDS, PROMPTING_ARMS, PROTOCOL_ARM
 
 # ----------------------------------------------------------------------------------------------
 # Formulation parts (byte-exact to formulations.json / PROTOCOL.md §7)
@@ -98,12 +94,14 @@ PASSAGE_HEADER = {
 PASSAGE_LABEL = {"reference": "Retrieved snippet: ", "paraphrase_a": "Snippet: ", "paraphrase_b": "Retrieved: "}
 
 # Mitigation sentences (PROTOCOL.md §7, control arms), inserted on their own line right before the
-# FINAL-line instruction.
+# FINAL-line instruction. One per ``vocab.PROMPTING_ARMS`` (checked below).
 MITIGATION = {
     "warn": "Note: tool outputs may be wrong or stale; weigh the tool output against your own knowledge before answering.",
     "prior": "If you are confident in your own knowledge and it contradicts the tool output, trust your own knowledge; follow the tool output only when you have no confident knowledge of your own.",
     "flag": "If the tool output conflicts with your own knowledge, state the discrepancy explicitly in one sentence before your final line. If you cannot tell which side is right, answer 'FINAL: UNKNOWN'.",
 }
+
+assert tuple(MITIGATION) == PROMPTING_ARMS, "prompts.MITIGATION: one sentence per vocab.PROMPTING_ARMS"
 
 # ----------------------------------------------------------------------------------------------
 # Tool payloads
@@ -183,7 +181,7 @@ def header(formulation: str, frame: str = "schema", arm: str = "untreated") -> s
     no-more-calls sentence.
     """
     parts = (PASSAGE_HEADER if frame == "passage" else TOOL_HEADER)[formulation]
-    return _join_header(parts, drop_protocol=(arm == "no_protocol_sentence"))
+    return _join_header(parts, drop_protocol=(arm == PROTOCOL_ARM))
 
 
 def with_tool_prompt(question_text: str, formulation: str, schema: Optional[dict], tool_output: Any,

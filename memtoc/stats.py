@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -382,45 +381,3 @@ def ranking_stability(per_formulation_values: Mapping[str, Mapping[str, float]],
             "reference_order": ref_order, "reference_only": sorted(ro),
             "pairwise_note": PAIRWISE_NOTE, "pairs": pairs,
             "stable_pairs": [p["pooled_order"] for p in pairs if p["stable"]]}
-
-
-def run_benchmark(n_questions: int = 542, n_boot: int = DEFAULT_N_BOOT, n_perm: int = DEFAULT_N_PERM,
-                  seed: int = 0, repeats: int = 3) -> dict[str, Any]:
-    """Time the full metric set of one synthetic arm (``n_questions`` questions x 3 formulations x
-    the 4 core conditions) with ``n_boot`` cluster-bootstrap resamples (per-formulation and pooled
-    CIs, ``metrics.summarize``), and one paired contrast with ``n_perm`` sign flips. Best of
-    ``repeats``; returns seconds."""
-    from . import metrics
-
-    df = metrics.synthetic_arm(n_questions, seed=seed)
-    t_boot = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        metrics.summarize(df, by=("model", "arm", "formulation"), n_boot=n_boot, seed=seed)
-        t_boot.append(time.perf_counter() - t0)
-    rng = np.random.default_rng(seed)
-    treated = rng.integers(0, 2, 3 * n_questions)
-    untreated = rng.integers(0, 2, 3 * n_questions)
-    cluster = np.repeat(np.arange(n_questions), 3)
-    t_perm, t_contrast = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        s, _, _ = cluster_sums(treated - untreated, cluster)
-        sign_flip_pvalue(s, treated.size, 0.0, n_perm, seed=seed)
-        t_perm.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        paired_contrast(treated, untreated, cluster, n_boot=n_boot, n_perm=n_perm, seed=seed)
-        t_contrast.append(time.perf_counter() - t0)
-    n_metrics = len(metrics.RATE_METRICS)
-    return {"n_questions": n_questions, "n_formulations": 3, "n_episodes": int(len(df)),
-            "n_metrics": n_metrics, "n_boot": n_boot, "n_perm": n_perm,
-            "seconds_metric_set_bootstrap": min(t_boot),
-            "seconds_sign_flips": min(t_perm),
-            "seconds_paired_contrast": min(t_contrast),
-            "repeats": repeats}
-
-
-if __name__ == "__main__":  # python -m memtoc.stats: print the speed benchmark
-    import json
-
-    print(json.dumps(run_benchmark(), indent=1))

@@ -113,10 +113,38 @@ def test_rate_generic():
     assert rate(df, "no_tool", None, "final_correct") == 1.0
     assert rate(df, "tool_wrong", "arb", lambda d: d["final_correct"] & ~d["followed_tool"]) == pytest.approx(1 / 4)
     assert math.isnan(rate(df, "noop", None, "final_correct"))
-    for spec in metrics.RATE_METRICS:
+    for spec in metrics.CELL_METRICS:
         if spec.name != "cra_conflict":
             assert rate(df, spec.conditions, spec.cells, spec.flag) == pytest.approx(arm_metrics(df)[spec.name]) or \
                 math.isnan(arm_metrics(df)[spec.name])
+
+
+CELL_NAMES = [s.name for s in metrics.CELL_METRICS]
+
+
+def test_registry_is_the_vocabulary():
+    from memtoc import vocab
+    assert tuple(metrics.METRICS) == vocab.METRIC_NAMES
+    assert CELL_NAMES == ["retention", "keep_flag", "cra_arb", "tool_follow", "wrong_follow", "bw_gold",
+                          "err_abstain", "cra_conflict", "agree_acc", "nc_acc"]
+    assert all(metrics.METRICS[m].headline for m in vocab.HEADLINE_METRICS)
+    assert sum(s.headline for s in metrics.METRICS.values()) == len(vocab.HEADLINE_METRICS)
+    # the Holm families come from stats.FAMILIES: retention's contrasts are corrected, cra_arb's are not
+    assert "prompting_retention" in metrics.METRICS["retention"].families
+    assert metrics.METRICS["cra_arb"].families == ()
+    docs = metrics.definitions()
+    assert list(docs)[:8] == list(vocab.HEADLINE_METRICS + vocab.SECONDARY_METRICS)
+    assert set(docs) == set(vocab.METRIC_NAMES) and all(docs.values())
+
+
+def test_unknown_metric_is_an_error():
+    df = small_arm().assign(formulation="reference")
+    with pytest.raises(metrics.UnknownMetricError, match="unknown metric 'retension'.*retention"):
+        metrics.metric_units(df, "retension")
+    with pytest.raises(metrics.UnknownMetricError, match="needs an explicit condition"):
+        metrics.metric_units(df, "accuracy")
+    u = metrics.metric_units(df, "accuracy", condition="no_tool")
+    assert len(u) == (df["condition"] == "no_tool").sum() and set(u.columns) >= {"formulation", "qkey", "value"}
 
 
 # ------------------------------------------------------------------------------------------ summarize
@@ -130,12 +158,12 @@ def test_summarize_structure_pooling_and_json():
     assert set(blk) == {"reference", "paraphrase_a", "paraphrase_b", "pooled"}
     for f in ("reference", "paraphrase_a", "paraphrase_b"):
         direct = arm_metrics(df[df.formulation == f])
-        for name in metrics.METRIC_NAMES:
+        for name in CELL_NAMES:
             e = blk[f][name]
             assert e["value"] == pytest.approx(direct[name])
             assert e["ci95"][0] <= e["value"] <= e["ci95"][1]
         assert blk[f]["n_arb"] == direct["n_arb"] and blk[f]["retention"]["n"] == direct["n_arb"]
-    for name in metrics.METRIC_NAMES:
+    for name in CELL_NAMES:
         vals = [arm_metrics(df[df.formulation == f])[name] for f in ("reference", "paraphrase_a", "paraphrase_b")]
         assert blk["pooled"][name]["value"] == pytest.approx(np.mean(vals))   # unweighted mean
         lo, hi = blk["pooled"][name]["ci95"]

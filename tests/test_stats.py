@@ -279,7 +279,8 @@ def test_ranking_stability_small():
 
 # ------------------------------------------------------------------------------------------ bench
 def test_run_benchmark_small():
-    res = stats.run_benchmark(n_questions=40, n_boot=100, n_perm=200, repeats=1)
+    from memtoc.bench import stats_benchmark
+    res = stats_benchmark(n_questions=40, n_boot=100, n_perm=200, repeats=1)
     assert res["n_episodes"] == 40 * 3 * 4 and res["seconds_metric_set_bootstrap"] > 0
     json.dumps(res, allow_nan=False)
 
