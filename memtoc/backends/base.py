@@ -56,6 +56,38 @@ def truncate_after_final(text: str) -> str:
     return text[: m.end()] if m else text
 
 
+# A completed first line: leading blank lines skipped, then a non-empty line and its newline (the
+# paper's completions default for base models, stop=["\n"], without stopping on a leading newline).
+_FIRST_LINE_DONE = re.compile(r"\A\s*\S[^\n]*\n")
+
+
+def first_line_done(text: str) -> bool:
+    """True once ``text`` holds a complete non-empty line (leading blank lines do not count)."""
+    return _FIRST_LINE_DONE.match(text) is not None
+
+
+def line_stop(text: str, stop_at_final: bool, stop_at_first_line: bool) -> Optional[str]:
+    """The line rule that ends a reply now ("final_line" | "first_line"), or None to go on."""
+    if stop_at_final and final_line_done(text):
+        return "final_line"
+    if stop_at_first_line and first_line_done(text):
+        return "first_line"
+    return None
+
+
+def truncate_reply(text: str, stop_at_final: bool, stop_at_first_line: bool) -> tuple[str, Optional[str]]:
+    """``text`` cut where :func:`line_stop` would have ended it token by token, and the rule."""
+    cuts = []
+    if stop_at_final and (m := _FINAL_DONE.search(text)):
+        cuts.append((m.end(), "final_line"))
+    if stop_at_first_line and (m := _FIRST_LINE_DONE.match(text)):
+        cuts.append((m.end(), "first_line"))
+    if not cuts:
+        return text, None
+    end, rule = min(cuts)
+    return text[:end], rule
+
+
 class Generator:
     """One loaded model behind one backend. Subclasses fill ``identity`` and the batch hook."""
 

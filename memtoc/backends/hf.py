@@ -62,7 +62,10 @@ sequence is finished once its reply holds a completed ``FINAL:`` answer line (ma
 answer, newline) or EOS; the batch ends when all its sequences are finished. The protocol's
 extractor takes the *last* FINAL marker, so text after the first completed FINAL line could only
 matter if a model wrote a second, different FINAL line; ``memtoc bench generation`` measures how
-often that changes an extracted answer.
+often that changes an extracted answer. ``stop_at_first_line=True`` (the default for base models,
+set by ``models.load_generator``): a sequence also ends once its first non-empty line is complete,
+the paper's completions default for its base model (``stop=["\\n"]``); a base model otherwise
+goes on writing the next "Question: ... Answer: ..." pair and the extractor takes its last line.
 
 Decode loop (``decode="compact"``, the default; ``decode="generate"`` is the former path): greedy
 ``model.generate`` on a left-padded batch keeps every row decoding until the last row ends (the few
@@ -90,7 +93,7 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 from ..config import ConfigError, MemtocError
 from ..models import adapter_hash, attention_implementation, render_prompt, weights_hash
-from .base import Generator, Reply, final_line_done
+from .base import Generator, Reply, line_stop
 from .prefix import leaves_by_row, prefix_segments
 from .prefix import path as prefix_path
 
@@ -280,12 +283,13 @@ class _StopCriteria(StoppingCriteria):
     """Per-sequence stop: EOS, or a completed FINAL line. Records where each sequence ended."""
 
     def __init__(self, tokenizer, prompt_len: int, eos_ids: set[int], newline_ids: set[int],
-                 check_final: bool):
+                 check_final: bool, check_first_line: bool = False):
         self.tok = tokenizer
         self.prompt_len = prompt_len
         self.eos_ids = eos_ids
         self.newline_ids = newline_ids
         self.check_final = check_final
+        self.check_first_line = check_first_line
         self.end: Optional[list[Optional[int]]] = None
         self.reason: Optional[list[str]] = None
 
@@ -303,11 +307,12 @@ class _StopCriteria(StoppingCriteria):
             if t in self.eos_ids:
                 self.end[i] = L - 1
                 self.reason[i] = "eos"
-            elif self.check_final and t in self.newline_ids:
+            elif (self.check_final or self.check_first_line) and t in self.newline_ids:
                 text = self.tok.decode(input_ids[i, self.prompt_len:], skip_special_tokens=True)
-                if final_line_done(text):
+                rule = line_stop(text, self.check_final, self.check_first_line)
+                if rule:
                     self.end[i] = L
-                    self.reason[i] = "final_line"
+                    self.reason[i] = rule
         return torch.tensor([e is not None for e in self.end], dtype=torch.bool, device=input_ids.device)
 
 
@@ -334,7 +339,7 @@ class TransformersGenerator(Generator):
 
     def __init__(self, spec, path: Path, adapter=None, batch_size="auto", dtype="auto",
                  max_new_tokens: int = 48, cache_dir=None, stop_at_final: bool = True,
-                 device: Optional[str] = None, token_budget: Optional[int] = None,
+                 stop_at_first_line: bool = False, device: Optional[str] = None, token_budget: Optional[int] = None,
                  max_batch: Optional[int] = None, num_threads: Optional[int] = None,
                  attention: str = "auto", show_progress: bool = True, decode: str = "compact",
                  share_prefix: bool = True, min_shared_tokens: int = 8, prefill_tokens: Optional[int] = None,
@@ -352,6 +357,7 @@ class TransformersGenerator(Generator):
         self.batch_size = batch_size
         self.max_new_tokens = int(max_new_tokens)
         self.stop_at_final = bool(stop_at_final)
+        self.stop_at_first_line = bool(stop_at_first_line)
         gpu = self.device.startswith("cuda")
         self.token_budget = int(token_budget or (131072 if gpu else 24576))
         self.max_batch = int(max_batch or (256 if gpu else 64))
@@ -414,7 +420,9 @@ class TransformersGenerator(Generator):
             "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
                          "stop_at_final": self.stop_at_final, "attention": self.attention,
                          "dtype": str(self.torch_dtype).replace("torch.", ""),
-                         "tie_margin": self.tie_margin},
+                         "tie_margin": self.tie_margin,
+                         # only when on: the cache keys of every existing run stay as they were
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {})},
         })
 
     def _newline_token_ids(self) -> set[int]:
@@ -609,7 +617,8 @@ class TransformersGenerator(Generator):
         """``model.generate`` on the whole batch; finished rows keep decoding until the last ends."""
         import torch
         P = input_ids.shape[1]
-        stop = _StopCriteria(self.tokenizer, P, self.eos_ids, self.newline_ids, self.stop_at_final)
+        stop = _StopCriteria(self.tokenizer, P, self.eos_ids, self.newline_ids, self.stop_at_final,
+                             self.stop_at_first_line)
         lens = attn.sum(-1).tolist()
         prompts = [input_ids[r, P - n:].tolist() for r, n in enumerate(lens)]
         with torch.inference_mode():
@@ -670,9 +679,10 @@ class TransformersGenerator(Generator):
                         reason[r] = "eos"
                         continue
                     new[r].append(t)
-                    if (self.stop_at_final and t in self.newline_ids
-                            and final_line_done(self.tokenizer.decode(new[r], skip_special_tokens=True))):
-                        reason[r] = "final_line"
+                    if ((self.stop_at_final or self.stop_at_first_line) and t in self.newline_ids
+                            and (rule := line_stop(self.tokenizer.decode(new[r], skip_special_tokens=True),
+                                                   self.stop_at_final, self.stop_at_first_line))):
+                        reason[r] = rule
                         continue
                     keep.append(a)
                 if not keep or step == self.max_new_tokens - 1:

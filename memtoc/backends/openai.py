@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 from tqdm.auto import tqdm
 
 from ..config import MemtocError
-from .base import Generator, Reply, truncate_after_final
+from .base import Generator, Reply, truncate_reply
 
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -62,7 +62,8 @@ class OpenAIGenerator(Generator):
     def __init__(self, spec, max_new_tokens: int = 48, adapter=None, base_url: Optional[str] = None,
                  api_key: Optional[str] = None, model: Optional[str] = None, timeout: float = 120.0,
                  max_retries: int = 4, backoff: float = 1.0, concurrency: int = 4,
-                 weights_hash: Optional[str] = None, stop_at_final: bool = True, seed: Optional[int] = None,
+                 weights_hash: Optional[str] = None, stop_at_final: bool = True,
+                 stop_at_first_line: bool = False, seed: Optional[int] = None,
                  show_progress: bool = True, **unused):
         import requests  # a declared dependency
 
@@ -73,7 +74,7 @@ class OpenAIGenerator(Generator):
         if unused:
             raise BackendError(f"unknown openai backend option(s) {sorted(unused)}; valid: base_url, api_key, "
                                "model, timeout, max_retries, backoff, concurrency, weights_hash, "
-                               "stop_at_final, seed")
+                               "stop_at_final, stop_at_first_line, seed")
         self.spec = spec
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "http://127.0.0.1:8000/v1").rstrip("/")
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
@@ -84,6 +85,7 @@ class OpenAIGenerator(Generator):
         self.concurrency = max(1, int(concurrency))
         self.max_new_tokens = int(max_new_tokens)
         self.stop_at_final = bool(stop_at_final)
+        self.stop_at_first_line = bool(stop_at_first_line)
         self.seed = seed
         self.show_progress = show_progress
         self.session = requests.Session()
@@ -94,7 +96,8 @@ class OpenAIGenerator(Generator):
             "adapter_sha256": None, "backend": self.backend,
             "prompt_format": {"chat": spec.chat, "system_turn": "server"},
             "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
-                         "stop_at_final": self.stop_at_final, "seed": seed},
+                         "stop_at_final": self.stop_at_final, "seed": seed,
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {})},
         })
 
     def request_body(self, prompt: str) -> tuple[str, dict]:
@@ -135,10 +138,9 @@ class OpenAIGenerator(Generator):
             raise BackendError(f"{self.base_url}{path}: unexpected response {str(data)[:300]}") from None
         text = text or ""
         finish = choice.get("finish_reason") or ""
-        if self.stop_at_final:
-            cut = truncate_after_final(text)
-            if cut != text:
-                text, finish = cut, "final_line"
+        cut, rule = truncate_reply(text, self.stop_at_final, self.stop_at_first_line)
+        if rule and cut != text:
+            text, finish = cut, rule
         usage = data.get("usage") or {}
         return Reply(text=text, n_prompt_tokens=int(usage.get("prompt_tokens") or 0),
                      n_new_tokens=int(usage.get("completion_tokens") or 0), seconds=dt, key="",

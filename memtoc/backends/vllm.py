@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 from tqdm.auto import tqdm
 
 from ..models import adapter_hash, render_prompt, weights_hash
-from .base import Generator, Reply, truncate_after_final
+from .base import Generator, Reply, truncate_reply
 from .openai import BackendError
 
 
@@ -65,7 +65,7 @@ class VLLMGenerator(Generator):
     backend = "vllm"
 
     def __init__(self, spec, path: Path, adapter=None, dtype: str = "auto", max_new_tokens: int = 48,
-                 cache_dir=None, stop_at_final: bool = True, chunk: int = 4096, seed: Optional[int] = None,
+                 cache_dir=None, stop_at_final: bool = True, stop_at_first_line: bool = False, chunk: int = 4096, seed: Optional[int] = None,
                  show_progress: bool = True, batch_size: Any = None, **llm_options):
         try:
             import vllm  # noqa: F401
@@ -79,6 +79,7 @@ class VLLMGenerator(Generator):
         self.path = Path(path)
         self.max_new_tokens = int(max_new_tokens)
         self.stop_at_final = bool(stop_at_final)
+        self.stop_at_first_line = bool(stop_at_first_line)
         self.chunk = int(chunk)
         self.seed = seed
         self.show_progress = show_progress
@@ -95,7 +96,8 @@ class VLLMGenerator(Generator):
             "backend": self.backend,
             "prompt_format": {"chat": spec.chat, "system_turn": spec.system_turn},
             "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
-                         "stop_at_final": self.stop_at_final, "dtype": dtype},
+                         "stop_at_final": self.stop_at_final, "dtype": dtype,
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {})},
         })
 
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
@@ -115,10 +117,9 @@ class VLLMGenerator(Generator):
                 for req, o in zip(reqs, outs):
                     c = o.outputs[0]
                     text, finish = c.text, ("eos" if c.finish_reason == "stop" else c.finish_reason or "")
-                    if self.stop_at_final:
-                        cut = truncate_after_final(text)
-                        if cut != text:
-                            text, finish = cut, "final_line"
+                    cut, rule = truncate_reply(text, self.stop_at_final, self.stop_at_first_line)
+                    if rule and cut != text:
+                        text, finish = cut, rule
                     replies.append(Reply(text=text, n_prompt_tokens=len(req["prompt_token_ids"]),
                                          n_new_tokens=len(c.token_ids), seconds=dt / len(idx), key="",
                                          cached=False, finish=finish))
