@@ -120,6 +120,7 @@ from .elicitation import load_memory
 from .evaluation import score_episodes
 from .io import plain, write_json
 from .metrics import metric_units, paired_units
+from .runconfig import RunConfig
 from .scoring import has_final_line
 from .vocab import (ALT_FRAMES, BASELINE_ARM, CELLS, CONFLICT_CONDITIONS, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD,
                     FORMULATIONS, FOUR_CELLS, HEADLINE_METRICS, POOLED, PROMPTING_ARMS, PROTOCOL_ARM,
@@ -722,23 +723,29 @@ def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence
     return out
 
 
+def run_dir_of(P) -> Optional[Path]:
+    """The run directory of a RunConfig, or of a parameter dict that names one (None otherwise: the
+    closed-book section then skips the permissive pass)."""
+    return P.run_dir if isinstance(P, RunConfig) else P.get("run_dir")
+
+
 def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model: dict[str, pd.DataFrame] | None,
-                       P: dict) -> dict:
-    """The content of ``summaries/evaluation.json`` for a run (``P`` = the run's parameters)."""
-    forms = list(P.get("formulations") or FORMULATIONS)
-    kw = dict(formulations=forms, n_boot=int(P.get("n_boot", stats.DEFAULT_N_BOOT)), n_perm=int(P.get("n_perm", 10000)),
-              seed=0, alpha=float(P.get("alpha", 0.05)))
+                       P) -> dict:
+    """The content of ``summaries/evaluation.json`` for a run (``P``: its RunConfig or parameter dict)."""
+    cfg = RunConfig.of(P)
+    forms = list(cfg.formulations)
+    kw = dict(formulations=forms, n_boot=cfg.n_boot, n_perm=cfg.n_perm, seed=0, alpha=float(cfg.alpha))
     models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
     for m, df in scored_by_model.items():
-        cb = closed_book_section(df, (memory_by_model or {}).get(m), P.get("run_dir"), m)
+        cb = closed_book_section(df, (memory_by_model or {}).get(m), run_dir_of(P), m)
         if cb:
             models[m]["closed_book"] = cb
     applied = apply_families(models, kw["alpha"])
     families = {f: {**stats.families_summary()[f], "members": applied.get(f, {})} for f in EVALUATION_FAMILIES}
     return plain({
         "schema_version": SCHEMA_VERSION,
-        "run_name": P.get("run_name"),
-        "matcher": P.get("matcher", "paper"),
+        "run_name": cfg.run_name,
+        "matcher": cfg.matcher,
         "n_boot": kw["n_boot"], "n_perm": kw["n_perm"], "alpha": kw["alpha"], "seed": kw["seed"],
         "formulations": forms,
         "metrics": metrics.definitions(),

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from .benchmark import select_questions
-from .config import PAPER_SEED, ConfigError, DataError, check_choices
+from .config import ConfigError, DataError, check_choices
 from .prompts import (NOOP_OUTPUT, closed_book_prompt, error_payload, synthesize_schema, value_output,
                       with_tool_prompt)
 from .records import Episode, Question, dumps, unique_by
+from .runconfig import RunConfig
 
 from .vocab import (ALL_CONDITIONS, ARMS, BASELINE_ARM, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD, EXTRA_ARM_SPECS,
                     FORMULATIONS, FRAMES, PAYLOAD_KINDS, VALUE_CONDITIONS)
@@ -189,12 +190,12 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     ``n_questions_extra <= n_questions``), so every extra arm has its untreated baseline.
     Episodes are deduplicated by id (first kept), in a stable order.
     """
-    seed = P.get("seed", PAPER_SEED)
-    forms = list(P.get("formulations") or FORMULATIONS)
-    sel = select_questions(benchmark.analysis, max(P["n_questions"], P.get("n_questions_extra", 0)), seed)
-    head, extra = sel[:P["n_questions"]], sel[:P.get("n_questions_extra", 0)]
+    cfg = RunConfig.of(P)
+    forms = list(cfg.formulations)
+    sel = select_questions(benchmark.analysis, max(cfg.n_questions, cfg.n_questions_extra), cfg.seed)
+    head, extra = sel[:cfg.n_questions], sel[:cfg.n_questions_extra]
     eps = build_episodes(head, forms, CORE_CONDITIONS)
-    arms = set(P.get("extra_arms") or [])
+    arms = set(cfg.extra_arms)
     if extra:
         eps += build_episodes(extra, forms, CORE_CONDITIONS)
         for spec in EXTRA_ARM_SPECS:

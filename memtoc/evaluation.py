@@ -32,6 +32,7 @@ from .backends.base import Reply
 from .config import DataError, MemtocError
 from .io import sha256_text, write_jsonl
 from .records import Episode, arm_key
+from .runconfig import RunConfig
 from .vocab import FORMULATIONS
 
 
@@ -274,17 +275,19 @@ def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
 # notebook helpers (thin glue; I/O at the edge)
 
 
-def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode], P: dict) -> pd.DataFrame:
+def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode], P) -> pd.DataFrame:
     """The closed-book memory frame covering every (formulation, qkey) of ``episodes``.
 
     Reads what notebook 02 wrote (``elicitation.load_memory``); if it is missing or does not cover
     the episodes, runs the elicitation for the episodes' questions (served from the generation
-    cache where 02 already generated them). Variant: ``P["closed_book_variant"]``.
+    cache where 02 already generated them). ``P``: the run's RunConfig (or its parameter dict); variant:
+    ``closed_book_variant``.
     """
-    variant = P.get("closed_book_variant", "forced")
+    cfg = RunConfig.of(P)
+    variant = cfg.closed_book_variant
     need = {(e.formulation, e.qkey) for e in episodes}
     try:
-        mem = elicitation.load_memory(P["run_dir"], model_label, variant)
+        mem = elicitation.load_memory(cfg.run_dir, model_label, variant)
         have = set(zip(mem["formulation"], mem["qkey"]))
         if need <= have:
             keep = [(f, q) in need for f, q in zip(mem["formulation"], mem["qkey"])]
@@ -297,7 +300,7 @@ def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Epi
     qkeys = list(dict.fromkeys(e.qkey for e in episodes))
     forms = [f for f in FORMULATIONS if any(e.formulation == f for e in episodes)]
     return elicitation.elicit(generator, model_label, [by_qkey[q] for q in qkeys], forms, variant,
-                              P["run_dir"], matcher=P.get("matcher", "paper"))
+                              cfg.run_dir, matcher=cfg.matcher)
 
 
 def episode_counts(episodes: Sequence[Episode]) -> pd.DataFrame:

@@ -8,8 +8,8 @@
 * :func:`prompting_tradeoffs` — per prompting arm, the paired change vs untreated in retention
   (gain), correct-tool following (loss) and error abstention, with 95% intervals.
 
-Inputs are tidy DataFrames (see :func:`memtoc.evaluation.headline_table` and
-:func:`memtoc.evaluation.contrast_table`) or a scored frame, so figures never recompute statistics.
+Inputs are tidy DataFrames (see :func:`memtoc.tables.headline_table` and
+:func:`memtoc.tables.contrast_table`) or a scored frame, so figures never recompute statistics.
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def prompting_tradeoffs(contrasts: pd.DataFrame, path,
                         metrics: Sequence[str] = ("retention", "tool_follow", "err_abstain")) -> Path:
     """Paired change vs untreated (pooled over formulations) per prompting arm: retention gain,
     correct-tool loss, error-abstention change, with 95% intervals; one panel per model.
-    ``contrasts`` columns: model, arm, metric, delta, lo, hi (see evaluation.contrast_table)."""
+    ``contrasts`` columns: model, arm, metric, delta, lo, hi (see tables.contrast_table)."""
     _need(contrasts, ["model", "arm", "metric", "delta", "lo", "hi"], "prompting_tradeoffs")
     t = contrasts[contrasts["metric"].isin(metrics)].copy()
     if t.empty:

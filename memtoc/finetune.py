@@ -34,12 +34,12 @@ Evaluation (all generation of this stage: transformers backend, :func:`eval_gene
     replies are scored with ``evaluation.score_episodes`` against its *own* closed-book answers (its
     own cells and kept-memory flags, as in the paper); the untreated model likewise against its own,
     elicited by the same generator settings. The two folds together give one cross-fitted prediction
-    per held-out question. Paired changes adapter − untreated use ``evaluation.contrast`` on the
+    per held-out question. Paired changes adapter − untreated use ``analyses.contrast`` on the
     case-stable common support (units (formulation, qkey) in the metric's cell for both
     checkpoints; ``n_treated_only`` / ``n_untreated_only`` count the rest), question-cluster bootstrap
     CI, sign-flip p; Holm inside the paper's families (``stats.FAMILIES``: retention, and correct-tool
     following, each over models × objectives in every slice; applied by
-    ``evaluation.apply_finetune_families``; the other metrics are uncorrected diagnostics); the
+    ``analyses.apply_finetune_families``; the other metrics are uncorrected diagnostics); the
     asymmetric success criterion is
     ``stats.success_criterion``.
 
@@ -106,24 +106,24 @@ Claims: e.g. ``/models/smollm2-135m-instruct/objectives/sft/deltas/retention/poo
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from . import elicitation, evaluation, models, stats
+from . import analyses, elicitation, evaluation, models, stats
 from .benchmark import load_benchmark, select_questions
 from .config import (FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, ordered_subset,
                      section_params)
-from .config import run_dir as config_run_dir
 from .construct import related_links, related_summary
 from .episodes import build_episodes
 from .models import ModelError, attention_implementation, get_model
+from .io import plain, sha256_json, write_json, write_jsonl
+from .metrics import definitions, metric_units, paired_units
 from .records import Episode, Question
+from .runconfig import RunConfig
 from .vocab import ARM_CONDITIONS, CONFLICT_CONDITIONS, HEADLINE_METRICS
 
 SCHEMA_VERSION = 2
@@ -454,10 +454,6 @@ def adapter_dir(run_dir, model_label: str, objective: str, fold: int) -> Path:
     return Path(run_dir) / "adapters" / model_label / objective / f"fold{fold}"
 
 
-def _sha(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
-
-
 def training_config(ft: dict[str, Any]) -> dict[str, Any]:
     """The hyper-parameters that define an adapter (shared by matched SFT and DPO runs)."""
     return {k: ft[k] for k in _TRAINING_KEYS}
@@ -465,8 +461,8 @@ def training_config(ft: dict[str, Any]) -> dict[str, Any]:
 
 def config_hash(objective: str, ft: dict[str, Any], base_weights: str, rows: Sequence[dict]) -> str:
     """Hash of everything an adapter depends on: objective, hyper-parameters, base weights, data."""
-    return _sha({"objective": objective, "training": training_config(ft), "base_weights": base_weights,
-                 "data": _sha(list(rows))})[:16]
+    return sha256_json({"objective": objective, "training": training_config(ft), "base_weights": base_weights,
+                 "data": sha256_json(list(rows))})[:16]
 
 
 def finished_adapter(path: Path, chash: str) -> Optional[dict[str, Any]]:
@@ -704,7 +700,7 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     info = {
         "status": "finished", "config_hash": chash, "objective": objective, "base": str(base_path),
-        "model": spec.name, "training": training_config(ft), "data_sha256": _sha(rows),
+        "model": spec.name, "training": training_config(ft), "data_sha256": sha256_json(rows),
         "examples": len(rows), "questions": len({e.question_id for e in examples}),
         "chains": sorted({e.instance_id for e in examples}), "formulations": sorted({e.formulation for e in examples}),
         "steps": steps, "seconds": round(seconds, 2), "setup_seconds": round(t_setup, 2),
@@ -797,24 +793,24 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
     """
     deltas: dict[str, dict[str, Any]] = {}
     for m in metrics:
-        tu, bu = evaluation.metric_units(treated, m), evaluation.metric_units(untreated, m)
+        tu, bu = metric_units(treated, m), metric_units(untreated, m)
         deltas[m] = {}
         for form in list(formulations) + ["pooled"]:
             t = tu if form == "pooled" else tu[tu["formulation"] == form]
             b = bu if form == "pooled" else bu[bu["formulation"] == form]
             if form != "pooled" and len(t) == 0 and len(b) == 0:
                 continue
-            c = evaluation.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed,
+            c = analyses.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed,
                                     treatment="adapter", baseline="untreated")
-            pu = evaluation.paired_units(t, b)
+            pu = paired_units(t, b)
             if len(pu):
                 rates = pu.groupby("formulation")[["t", "b"]].mean()
                 c["treated"], c["untreated"] = float(rates["t"].mean()), float(rates["b"].mean())
             else:
                 c["treated"] = c["untreated"] = None
             deltas[m][form] = c
-    evaluation.apply_holm({m: deltas[m]["pooled"] for m in metrics if "pooled" in deltas[m]})
-    evaluation.apply_holm({f"{m}/{f}": deltas[m][f] for m in metrics for f in deltas[m] if f != "pooled"})
+    analyses.apply_holm({m: deltas[m]["pooled"] for m in metrics if "pooled" in deltas[m]})
+    analyses.apply_holm({f"{m}/{f}": deltas[m][f] for m in metrics for f in deltas[m] if f != "pooled"})
     for m in metrics:
         for f, c in deltas[m].items():
             c["family"] = "pooled" if f == "pooled" else "per_formulation"
@@ -823,9 +819,9 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
         r, t = deltas["retention"].get(form), deltas["tool_follow"].get(form)
         if not r or not t:
             return None
-        return evaluation.plain(stats.success_criterion(r, t, alpha=alpha))
+        return plain(stats.success_criterion(r, t, alpha=alpha))
 
-    out = {"deltas": evaluation.plain(deltas)}
+    out = {"deltas": plain(deltas)}
     if "retention" in metrics and "tool_follow" in metrics:
         out["criterion"] = crit("pooled")
         out["criterion_by_formulation"] = {f: crit(f) for f in formulations if crit(f) is not None}
@@ -845,13 +841,13 @@ def eval_generator_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, An
     ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to TransformersGenerator. Then
     ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``, else the run's ``dtype``.
     Pure: loads nothing."""
-    run_opts = dict(P.get("backend_options") or {})
-    if P.get("backend", "transformers") != "transformers":
+    cfg = RunConfig.of(P)
+    run_opts = dict(cfg.backend_options or {})
+    if cfg.backend != "transformers":
         run_opts = {k: v for k, v in run_opts.items() if k in SHARED_BACKEND_OPTIONS}
     opts = {**run_opts, **(ft.get("backend_options") or {})}
-    return dict(backend="transformers", batch_size=P.get("batch_size", "auto"),
-                dtype=ft["eval_dtype"] or P.get("dtype", "auto"), max_new_tokens=P.get("max_new_tokens", 48),
-                model_cache_dir=P.get("model_cache_dir"), **opts)
+    return dict(backend="transformers", batch_size=cfg.batch_size, dtype=ft["eval_dtype"] or cfg.dtype,
+                max_new_tokens=cfg.max_new_tokens, model_cache_dir=cfg.model_cache_dir, **opts)
 
 
 def _memory_status(mem) -> dict[tuple[str, str], str]:
@@ -911,22 +907,22 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     import pandas as pd
 
     ft = finetune_params(P)
-    run_dir = Path(P.get("run_dir") or config_run_dir(P))
-    P = {**P, "run_dir": run_dir}
-    bench = load_benchmark(P.get("release_dir"))
-    forms = list(P.get("formulations") or FORMULATIONS)
-    plans, examples = plan(P, bench)
-    n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
-    matcher = P.get("matcher", "paper")
-    variant = P.get("closed_book_variant", "forced")
-    gen_kw = eval_generator_kwargs(P, ft)
+    P = cfg = RunConfig.of(P)
+    run_dir = cfg.run_dir
+    bench = load_benchmark(cfg.release_dir)
+    forms = list(cfg.formulations)
+    plans, examples = plan(cfg, bench)
+    n_boot, n_perm, alpha = cfg.n_boot, cfg.n_perm, cfg.alpha
+    matcher = cfg.matcher
+    variant = cfg.closed_book_variant
+    gen_kw = eval_generator_kwargs(cfg, ft)
     related = related_summary(bench.questions)
 
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "alpha": alpha, "n_boot": n_boot,
         "n_perm": n_perm, "matcher": matcher, "formulations": forms, "config": ft,
         "closed_book_variant": variant,
-        "metrics": {m: evaluation.METRIC_DOC[m] for m in METRICS},
+        "metrics": definitions(METRICS),
         "support": ("each checkpoint is scored against its own closed-book answers; a delta compares the units "
                     "(formulation, question) in the metric's cell for both checkpoints (case-stable common "
                     "support); n_treated_only / n_untreated_only count the units in the cell for one side only"),
@@ -985,8 +981,8 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
                                             eps_by_fold[p.train_fold], forms, run_dir, gen_kw, variant, matcher)
                 msum["adapters"][obj][p.name]["closed_book"] = closed_book_counts(amem, memory)
                 df["train_fold"] = p.train_fold
-                evaluation.write_jsonl(path / "scored.jsonl",
-                                        df.drop(columns=["schema"], errors="ignore").to_dict("records"))
+                write_jsonl(path / "scored.jsonl",
+                            df.drop(columns=["schema"], errors="ignore").to_dict("records"))
                 parts.append(df)
                 mems.append(amem)
             if not parts:
@@ -999,7 +995,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
         summary["models"][model] = msum
     # the paper's Holm families (stats.FAMILIES): retention and correct-tool following, each over
     # models x objectives per slice; the other metrics uncorrected; criteria recomputed (H4)
-    evaluation.apply_finetune_families(summary, alpha)
+    analyses.apply_finetune_families(summary, alpha)
     write_summary(summary, run_dir)
     return summary
 
@@ -1012,13 +1008,8 @@ def close_generator(gen) -> None:
 
 
 def write_stage_summary(summary: dict[str, Any], run_dir, name: str) -> Path:
-    """Write ``summaries/<name>`` atomically (JSON-safe values, ``evaluation.plain``)."""
-    path = Path(run_dir) / "summaries" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(evaluation.plain(summary), indent=1, ensure_ascii=False))
-    os.replace(tmp, path)
-    return path
+    """Write ``summaries/<name>`` atomically (JSON-safe values, ``io.plain``)."""
+    return write_json(Path(run_dir) / "summaries" / name, summary, indent=1, newline=False)
 
 
 def read_stage_summary(run_dir, name: str, notebook: str, error: type[MemtocError] = None) -> dict[str, Any]:
@@ -1091,10 +1082,11 @@ def plan(P: dict[str, Any], bench=None):
     """(plans, examples per training fold) for the run's parameters, leakage-checked (no training).
     ``bench``: the loaded benchmark, if the caller has it (else it is loaded from the run's release)."""
     ft = finetune_params(P)
+    cfg = RunConfig.of(P)
     if bench is None:
-        bench = load_benchmark(P.get("release_dir"))
-    seed = P.get("seed", PAPER_SEED)
-    plans = crossfit_plan(bench.questions, select_questions(bench.analysis, P["n_questions"], seed), ft["folds"],
+        bench = load_benchmark(cfg.release_dir)
+    seed = cfg.seed
+    plans = crossfit_plan(bench.questions, select_questions(bench.analysis, cfg.n_questions, seed), ft["folds"],
                           ft["train_questions_per_fold"], ft["eval_questions_per_fold"], seed,
                           exclude_linked=ft["exclude_linked"])
     examples = {p.train_fold: training_examples(p.train_questions, ft["train_formulations"]) for p in plans}

@@ -93,11 +93,13 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from . import evaluation as ev
+from . import analyses
 from . import metrics, models, scoring
 from .config import FORMULATIONS, ConfigError, MemtocError, check_judge
 from .evaluation import read_scored, write_scored
+from .io import plain
 from .metrics import isna
+from .runconfig import RunConfig
 from .scoring import canon
 
 TASKS = ("extract", "ack")
@@ -461,9 +463,10 @@ def load_judge(P: dict):
     j = judge_config(P)
     if j is None:
         raise ConfigError("no judge configured (parameter 'judge' is null)")
-    return models.load_generator(j["model"], backend=j["backend"], batch_size=P.get("batch_size", "auto"),
-                                 dtype=P.get("dtype", "auto"), max_new_tokens=j["max_new_tokens"],
-                                 model_cache_dir=P.get("model_cache_dir"), **j["backend_options"])
+    cfg = RunConfig.of(P)
+    return models.load_generator(j["model"], backend=j["backend"], batch_size=cfg.batch_size, dtype=cfg.dtype,
+                                 max_new_tokens=j["max_new_tokens"], model_cache_dir=cfg.model_cache_dir,
+                                 **j["backend_options"])
 
 
 def write_judged(judged: pd.DataFrame, run_dir, model_label: str) -> list[Path]:
@@ -482,12 +485,12 @@ def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Seq
                          alpha: float = 0.05) -> dict:
     """``/judged/models/<model>`` of the evaluation summary (module docstring). Pure."""
     forms = list(formulations or FORMULATIONS)
-    head = ev.select_arm(judged)
+    head = analyses.select_arm(judged)
     units = car_units(head)
     cw = head[(head["condition"] == "tool_wrong") & head["cell"].isin(["arb", "both_wrong"])]
-    car = ev.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": ev.interval_obj(None, None, 0)}
-    return ev.plain({
-        "headline": ev.headline_metrics(judged, forms, n_boot=n_boot, seed=seed, alpha=alpha),
+    car = analyses.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": analyses.interval_obj(None, None, 0)}
+    return plain({
+        "headline": analyses.headline_metrics(judged, forms, n_boot=n_boot, seed=seed, alpha=alpha),
         "car_judge": car,
         "car_judge_missing": int(len(cw) - len(units)),
         "requests": request_counts(j.request for j in judgments),
@@ -505,11 +508,11 @@ def add_judged(summary: dict, scored_by_model: dict[str, pd.DataFrame], P: dict,
     j = judge_config(P)
     if j is None:
         return summary
-    run_dir = P["run_dir"]
+    cfg = RunConfig.of(P)
+    run_dir = cfg.run_dir
     label = judge_label(j["model"])
-    matcher = P.get("matcher", "paper")
-    kw = dict(formulations=list(P.get("formulations") or FORMULATIONS), n_boot=int(P.get("n_boot", 2000)),
-              seed=0, alpha=float(P.get("alpha", 0.05)))
+    matcher = cfg.matcher
+    kw = dict(formulations=list(cfg.formulations), n_boot=cfg.n_boot, seed=0, alpha=float(cfg.alpha))
     gen = generator if generator is not None else load_judge(P)
     section: dict[str, Any] = {"judge": {"model": j["model"], "backend": j["backend"], "label": label,
                                          "max_new_tokens": j["max_new_tokens"]}, "models": {}}

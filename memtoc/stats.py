@@ -9,8 +9,8 @@ Holm and the z-test come from statsmodels.
 
 The paper's Holm families are data: :data:`FAMILIES` names each family, the metric it corrects,
 the axes its members span and its slices; :func:`holm_family` corrects one, and the evaluation and
-fine-tuning stages apply them across models (``evaluation.apply_families``,
-``evaluation.apply_finetune_families``). :func:`success_criterion` is the one definition of the
+fine-tuning stages apply them across models (``analyses.apply_families``,
+``analyses.apply_finetune_families``). :func:`success_criterion` is the one definition of the
 asymmetric criterion (the notebooks, the report and ``memtoc verify --published`` use it). The
 sign-flip draws and the default ``n_boot`` (1,000) are the release's, so the same units give the
 release's intervals and p values.

@@ -13,8 +13,8 @@ Episodes (one per item × formulation × condition; MemToC's wording, ``memtoc.p
     ``unanswerable``  passage frame with the unanswerable row's passage; target: abstain.
     Counterfactual items are read on their common support (items in every requested frame's pool).
 
-Metrics (per arm; rates with question-cluster bootstrap intervals, ``evaluation.rate_intervals``;
-adapter − untreated paired on common support, ``evaluation.contrast``): see :data:`METRIC_DOC`.
+Metrics (per arm; rates with question-cluster bootstrap intervals, ``analyses.rate_intervals``;
+adapter − untreated paired on common support, ``analyses.contrast``): see :data:`METRIC_DOC`.
 
 Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``, and any
 ``extra_adapters``, e.g. adapters trained on the full 575-question pool) against the untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
@@ -56,11 +56,12 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from .. import elicitation, evaluation, finetune, models, prompts
+from .. import analyses, elicitation, evaluation, finetune, models, prompts
 from ..benchmark import load_benchmark, select_questions
 from ..config import (FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, ordered_subset,
                       resolve_release_dir, section_params)
 from ..config import run_dir as run_dir_of
+from ..metrics import definitions, paired_units
 from ..records import Question
 from ..scoring import canon
 from .data import BUILTIN, POOLS, TransferItem, load_items
@@ -309,7 +310,7 @@ def active_metrics(frames: Sequence[str]) -> list[str]:
 def arm_rates(scored: pd.DataFrame, mem_right: set, formulations: Sequence[str], frames: Sequence[str],
               n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict[str, dict]:
     """``{metric: {form: interval, "pooled": interval}}`` for one arm."""
-    return {m: evaluation.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
+    return {m: analyses.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
                                          seed=seed, alpha=alpha)
             for m in active_metrics(frames)}
 
@@ -327,12 +328,12 @@ def arm_deltas(treated: pd.DataFrame, untreated: pd.DataFrame, mem_right: set, f
             b = bu if form == "pooled" else bu[bu["formulation"] == form]
             if form != "pooled" and len(formulations) == 1:
                 continue
-            c = evaluation.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed, treatment=arm, baseline="untreated")
-            pu = evaluation.paired_units(t, b)
+            c = analyses.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed, treatment=arm, baseline="untreated")
+            pu = paired_units(t, b)
             c["treated"] = float(pu["t"].mean()) if len(pu) else None
             c["untreated"] = float(pu["b"].mean()) if len(pu) else None
             out[m][form] = c
-    evaluation.apply_holm({m: out[m]["pooled"] for m in TABLE6_METRICS if m in out})
+    analyses.apply_holm({m: out[m]["pooled"] for m in TABLE6_METRICS if m in out})
     return out
 
 
@@ -460,7 +461,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "dataset": info, "caveat": caveat,
         "config": tr, "n_boot": n_boot, "n_perm": n_perm, "alpha": alpha,
         "metrics": {m: METRIC_DOC[m] for m in active_metrics(frames)},
-        "reverse_metrics": {m: evaluation.METRIC_DOC[m] for m in finetune.METRICS},
+        "reverse_metrics": definitions(finetune.METRICS),
         "models": {}, "published": published_transfer(P.get("release_dir")), "timing": timing,
     }
     bench = load_benchmark(P.get("release_dir")) if tr["reverse"] else None

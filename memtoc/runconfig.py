@@ -1,0 +1,194 @@
+"""The typed run configuration: built once from the params file, read by every stage.
+
+    cfg = RunConfig.load("params/default.yaml")          # or RunConfig.of(P) for a params dict
+    cfg.models, cfg.n_boot, cfg.judge.model, cfg.paths.summary("evaluation")
+
+``RunConfig`` holds every parameter of ``memtoc.config.DEFAULTS`` as a typed attribute (validated by
+``config.validate_params``: errors name the file, the field and the fix; every existing params file
+is accepted) plus ``run_dir`` and ``paths`` (:class:`RunPaths`, the ``outputs/<run>/`` layout that
+writers and readers share). It also reads like the flat parameter dict the notebooks used to pass
+around (``cfg["models"]``, ``cfg.get("seed")``, ``{**cfg}``), so a stage written against the dict
+keeps working while it moves to attributes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Union
+
+from .config import DEFAULTS, ConfigError, load_params, resolve_release_dir, run_dir, validate_params
+from .vocab import Backend, ClosedBookVariant, Formulation, Matcher
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The ``outputs/<run>/`` layout (docs/architecture.md, "Output layout")."""
+    root: Path
+
+    @property
+    def config_json(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def params_yaml(self) -> Path:
+        return self.root / "params.yaml"
+
+    @property
+    def summaries(self) -> Path:
+        return self.root / "summaries"
+
+    @property
+    def figures(self) -> Path:
+        return self.root / "figures"
+
+    @property
+    def paper(self) -> Path:
+        return self.root / "paper"
+
+    def summary(self, stage: str) -> Path:
+        """``summaries/<stage>.json``."""
+        return self.summaries / f"{stage}.json"
+
+    def figure(self, name: str) -> Path:
+        """``figures/<name>.png``."""
+        return self.figures / f"{name}.png"
+
+    def episodes(self, formulation: str) -> Path:
+        """``episodes/<formulation>.jsonl``."""
+        return self.root / "episodes" / f"{formulation}.jsonl"
+
+    def generations(self, model_label: str) -> Path:
+        """``generations/<model>/``: the generation cache files of one model."""
+        return self.root / "generations" / model_label
+
+    def scored(self, model_label: str, folder: str = "scored") -> Path:
+        """``scored/<model>/`` (``folder="scored_judged"``: the judged layer)."""
+        return self.root / folder / model_label
+
+    def adapter(self, model_label: str, objective: str, fold: Union[int, str]) -> Path:
+        """``adapters/<model>/<objective>/fold<k>/``."""
+        return self.root / "adapters" / model_label / objective / f"fold{fold}"
+
+    def notebook(self, name: str) -> Path:
+        return self.root / "notebooks" / name
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """The ``judge`` block (``config.check_judge`` fills the defaults)."""
+    model: str
+    backend: Backend = "transformers"
+    backend_options: dict = field(default_factory=dict)
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class RunConfig(Mapping):
+    run_name: str
+    output_root: str
+    release_dir: Optional[str]
+    seed: int
+    models: tuple[str, ...]
+    backend: Backend
+    backend_options: dict
+    batch_size: Union[int, str]
+    dtype: str
+    max_new_tokens: int
+    model_cache_dir: Optional[str]
+    formulations: tuple[Formulation, ...]
+    n_questions: int
+    n_questions_extra: int
+    closed_book_variant: ClosedBookVariant
+    elicit_permissive: bool
+    extra_arms: tuple[str, ...]
+    matcher: Matcher
+    n_boot: int
+    n_perm: int
+    alpha: float
+    finetune: dict
+    transfer: dict
+    judge: Optional[JudgeConfig]
+    verify: bool
+    run_dir: Path                       # <output_root>/<run_name>, resolved
+    source: str = "<params>"            # the params file (for error messages)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: Union[str, os.PathLike, None] = None, overrides: Optional[dict] = None) -> "RunConfig":
+        """Read and validate a params YAML (``None``: the defaults), like ``config.load_params``."""
+        return cls._build(load_params(path, overrides), str(path) if path is not None else "<defaults>")
+
+    @classmethod
+    def of(cls, params: Union["RunConfig", Mapping[str, Any]], source: str = "<params>") -> "RunConfig":
+        """``params`` itself when it is a RunConfig; else a flat parameter mapping (``run_dir`` may
+        be among its keys) validated over the defaults."""
+        if isinstance(params, RunConfig):
+            return params
+        raw = dict(params)
+        rd = raw.pop("run_dir", None)
+        return cls._build(validate_params(raw, source), source, rd)
+
+    @classmethod
+    def _build(cls, p: dict[str, Any], source: str, rd: Any = None) -> "RunConfig":
+        j = p["judge"]
+        kw = {k: p[k] for k in DEFAULTS}
+        kw.update(models=tuple(p["models"]), formulations=tuple(p["formulations"]), extra_arms=tuple(p["extra_arms"]),
+                  judge=None if j is None else JudgeConfig(**j))
+        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source)
+
+    def with_release_resolved(self) -> "RunConfig":
+        """A copy whose ``release_dir`` is the absolute release folder (``config.resolve_release_dir``)."""
+        return self.replace(release_dir=str(resolve_release_dir(self.release_dir)))
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        """A copy with ``changes`` applied and validated again."""
+        d = {**self.as_params(), **changes}
+        return RunConfig.of(d, self.source)
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def paths(self) -> RunPaths:
+        return RunPaths(self.run_dir)
+
+    @property
+    def closed_book_variants(self) -> list[str]:
+        """The primary closed-book variant first, then the permissive one when it is elicited too."""
+        out = [self.closed_book_variant]
+        if self.elicit_permissive:
+            out += [v for v in ("forced", "permissive") if v not in out]
+        return out
+
+    def generator_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``models.load_generator`` for the run's models."""
+        return dict(backend=self.backend, batch_size=self.batch_size, dtype=self.dtype,
+                    max_new_tokens=self.max_new_tokens, model_cache_dir=self.model_cache_dir,
+                    **(self.backend_options or {}))
+
+    def as_params(self) -> dict[str, Any]:
+        """The flat parameter dict (lists, the judge block as a mapping) plus ``run_dir``."""
+        out = {k: self[k] for k in DEFAULTS}
+        out["run_dir"] = self.run_dir
+        return out
+
+    # -- the Mapping protocol: a RunConfig reads like the old flat dict -------------------------
+    def __getitem__(self, key: str) -> Any:
+        if key not in _KEYS:
+            raise KeyError(key)
+        v = getattr(self, key)
+        if isinstance(v, tuple):
+            return list(v)
+        if isinstance(v, JudgeConfig):
+            return {f.name: getattr(v, f.name) for f in fields(v)}
+        return v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
+
+
+_KEYS = tuple(DEFAULTS) + ("run_dir",)
+assert {f.name for f in fields(RunConfig)} == set(_KEYS) | {"source"}, "RunConfig must mirror config.DEFAULTS"
+__all__ = ["RunConfig", "RunPaths", "JudgeConfig", "ConfigError"]

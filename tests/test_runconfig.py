@@ -1,0 +1,82 @@
+"""The typed run config (memtoc.runconfig) and the vocabulary it validates against (memtoc.vocab)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memtoc import vocab
+from memtoc.config import DEFAULTS, REPO_ROOT, ConfigError, load_params
+from memtoc.runconfig import JudgeConfig, RunConfig, RunPaths
+
+PARAMS = sorted((REPO_ROOT / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PARAMS, ids=[p.name for p in PARAMS])
+def test_every_shipped_params_file_builds_and_reads_like_the_dict(path):
+    cfg = RunConfig.load(path)
+    P = load_params(path)
+    assert {k: cfg[k] for k in DEFAULTS} == P          # the Mapping view is the validated dict
+    assert dict(cfg)["run_dir"] == cfg.run_dir == REPO_ROOT / P["output_root"] / P["run_name"]
+    assert cfg.models == tuple(P["models"]) and isinstance(cfg.models, tuple)
+    assert cfg.get("n_boot") == P["n_boot"] and "models" in cfg and "nonsense" not in cfg
+    assert {**cfg, "run_dir": "x"}["run_dir"] == "x"    # the stages' `{**P, ...}` idiom
+
+
+def test_of_accepts_a_partial_dict_with_run_dir_and_is_idempotent(tmp_path):
+    cfg = RunConfig.of({"n_boot": 7, "run_dir": tmp_path})
+    assert cfg.n_boot == 7 and cfg.n_perm == DEFAULTS["n_perm"] and cfg.run_dir == tmp_path
+    assert RunConfig.of(cfg) is cfg
+    assert cfg.replace(alpha=0.01).alpha == 0.01 and cfg.replace(alpha=0.01).run_dir == tmp_path
+    with pytest.raises(ConfigError, match="alpha"):
+        cfg.replace(alpha=2)
+
+
+def test_judge_block_is_typed():
+    cfg = RunConfig.of({"judge": {"model": "smollm2-135m-instruct"}})
+    assert cfg.judge == JudgeConfig("smollm2-135m-instruct", "transformers", {}, 32)
+    assert cfg["judge"] == {"model": "smollm2-135m-instruct", "backend": "transformers", "backend_options": {},
+                            "max_new_tokens": 32}
+    assert RunConfig.of({}).judge is None
+
+
+def test_unknown_extra_arm_is_an_error_naming_file_and_field(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("extra_arms: [prompting, warnings]\n")
+    with pytest.raises(ConfigError) as e:
+        RunConfig.load(f)
+    msg = str(e.value)
+    assert str(f) in msg and "'extra_arms'" in msg and "warnings" in msg and "no_protocol_sentence" in msg
+
+
+@pytest.mark.parametrize("field,value", [("backend", "tgi"), ("matcher", "fuzzy"), ("dtype", "int8"),
+                                         ("closed_book_variant", "lenient")])
+def test_unknown_vocabulary_values_are_errors(field, value):
+    with pytest.raises(ConfigError, match=f"field '{field}'.*{value}"):
+        RunConfig.of({field: value}, source="x.yaml")
+
+
+def test_generator_kwargs_and_variants():
+    cfg = RunConfig.of({"backend_options": {"tie_margin": 0.0}, "closed_book_variant": "permissive"})
+    kw = cfg.generator_kwargs()
+    assert kw["backend"] == "transformers" and kw["tie_margin"] == 0.0 and kw["max_new_tokens"] == 48
+    assert cfg.closed_book_variants == ["permissive", "forced"]
+    assert RunConfig.of({"elicit_permissive": False}).closed_book_variants == ["forced"]
+
+
+def test_paths_layout():
+    p = RunPaths(Path("/r"))
+    assert p.summary("evaluation") == Path("/r/summaries/evaluation.json")
+    assert p.figure("headline") == Path("/r/figures/headline.png")
+    assert p.episodes("reference") == Path("/r/episodes/reference.jsonl")
+    assert p.scored("m") == Path("/r/scored/m") and p.scored("m", "scored_judged") == Path("/r/scored_judged/m")
+    assert p.generations("m") == Path("/r/generations/m")
+    assert p.adapter("m", "dpo", 1) == Path("/r/adapters/m/dpo/fold1")
+
+
+def test_extra_arm_specs_cover_the_vocabulary():
+    assert vocab.EXTRA_ARMS == tuple(DEFAULTS["extra_arms"])
+    for spec in vocab.EXTRA_ARM_SPECS:
+        assert set(spec.conditions) <= set(vocab.ALL_CONDITIONS) and set(spec.arms) <= set(vocab.ARMS)
+        assert set(spec.frames) <= set(vocab.FRAMES) and set(spec.payload_kinds) <= set(vocab.PAYLOAD_KINDS)
+        assert spec.section
