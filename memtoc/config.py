@@ -117,6 +117,9 @@ DEFAULTS: dict[str, Any] = {
     "model_cache_dir": None,         # where `memtoc model prepare` puts safetensors (None: user cache)
     # benchmark slice
     "formulations": list(FORMULATIONS),
+    # the formulations a base (non-chat) model runs: the paper reports its base model on the
+    # Reference formulation only (PROTOCOL §6); null = all of `formulations` (the release generated them)
+    "base_formulations": ["reference"],
     "n_questions": 542,              # headline analysis: closed-book + 4 core conditions
     "n_questions_extra": 60,         # extra arms (far, payloads, noop, prompting, frames)
     "closed_book_variant": "forced",  # forced (primary) | permissive
@@ -191,6 +194,10 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
         check_choices("formulation", p["formulations"], FORMULATIONS)
     except ConfigError as e:
         fail("formulations", str(e))
+    bf = p["base_formulations"]
+    if bf is not None and (not isinstance(bf, list) or not bf or any(v not in p["formulations"] for v in bf)):
+        fail("base_formulations", f"must be null (all of formulations) or a non-empty list drawn from "
+                                  f"formulations {p['formulations']}, got {bf!r}")
     for field, what in (("formulations", "formulation"), ("models", "model"), ("extra_arms", "extra arm")):
         if isinstance(p[field], list):
             reps = sorted({str(v) for v in p[field] if p[field].count(v) > 1})

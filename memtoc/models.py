@@ -262,6 +262,19 @@ def adapter_hash(adapter: str | os.PathLike) -> str:
     return hash_dir_files(files)["weights_sha256"]
 
 
+def formulations_for(model: str, formulations: list[str], base_formulations: Optional[list[str]]) -> list[str]:
+    """The formulations ``model`` runs on: all of the run's for a chat model; for a base model the
+    run's ``base_formulations`` (None: all), in the run's order. The paper reports its base model
+    on the Reference formulation only (PROTOCOL §6), so running the other two buys nothing there."""
+    try:
+        chat = get_model(model).chat
+    except ModelError:   # a name only a server knows: an instruction-tuned model
+        chat = True
+    if chat or base_formulations is None:
+        return list(formulations)
+    return [f for f in formulations if f in base_formulations]
+
+
 # -- preparation -------------------------------------------------------------------------------
 def prepare_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """A local safetensors directory for ``name`` (materialized once, then reused)."""

@@ -74,3 +74,15 @@ def test_real_gemma3_batched_shared_prefix_equals_batch1_generate(gemma_path):
     assert [r.finish for r in got] == [r.finish for r in want]
     assert any(r.finish == "first_line" for r in got)
     assert all(r.text.strip() for r in got)
+
+
+def test_base_models_run_their_own_formulations(tmp_path):
+    forms = ["reference", "paraphrase_a", "paraphrase_b"]
+    assert models.formulations_for(models.EMBEDDED, forms, ["reference"]) == forms
+    assert models.formulations_for(models.EMBEDDED_BASE, forms, ["reference"]) == ["reference"]
+    assert models.formulations_for(models.EMBEDDED_BASE, forms, None) == forms
+    from memtoc.config import ConfigError, load_params
+    f = tmp_path / "p.yaml"
+    f.write_text("formulations: [reference, paraphrase_a]\nbase_formulations: [paraphrase_b]\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml.*base_formulations"):
+        load_params(f)
