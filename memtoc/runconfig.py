@@ -97,6 +97,7 @@ class RunConfig(Mapping):
     max_new_tokens: int
     model_cache_dir: Optional[str]
     formulations: tuple[Formulation, ...]
+    base_formulations: Optional[tuple[Formulation, ...]]   # base models' formulations (None: all)
     n_questions: int
     n_questions_extra: int
     closed_book_variant: ClosedBookVariant
@@ -133,7 +134,9 @@ class RunConfig(Mapping):
     def _build(cls, p: dict[str, Any], source: str, rd: Any = None) -> "RunConfig":
         j = p["judge"]
         kw = {k: p[k] for k in DEFAULTS}
-        kw.update(models=tuple(p["models"]), formulations=tuple(p["formulations"]), extra_arms=tuple(p["extra_arms"]),
+        kw.update(models=tuple(p["models"]), formulations=tuple(p["formulations"]),
+                  base_formulations=None if p["base_formulations"] is None else tuple(p["base_formulations"]),
+                  extra_arms=tuple(p["extra_arms"]),
                   judge=None if j is None else JudgeConfig(**j))
         return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source)
 
