@@ -42,6 +42,10 @@ def recompute(work: Path) -> None:
     from memtoc.benchmark import load_benchmark, select_questions
     from memtoc.config import load_params, resolve_release_dir
     from memtoc.episodes import run_episodes
+    try:                                   # the split of issue 11; before it, evaluation held the analyses
+        from memtoc import analyses
+    except ImportError:
+        analyses = evaluation
 
     P = load_params(work / "params.yaml", overrides={"output_root": str(work.parent), "run_name": work.name})
     P["release_dir"] = str(resolve_release_dir(P.get("release_dir")))
@@ -68,9 +72,9 @@ def recompute(work: Path) -> None:
     # 03: evaluation.json from the scored files
     scored = {m: evaluation.read_scored(work, m) for m in P["models"]}
     memory = {m: elicitation.load_memory(work, m, P["closed_book_variant"]) for m in P["models"]}
-    s = evaluation.evaluation_summary(scored, memory, P)
+    s = analyses.evaluation_summary(scored, memory, P)
     s = judge.add_judged(s, scored, P)
-    evaluation.write_summary(s, work)
+    analyses.write_summary(s, work)
     # 08: claims.json / report.md
     report.build_report(work)
 
@@ -97,7 +101,9 @@ def diff(ref: Path, work: Path) -> int:
         la, lb = canonical(a, ref), canonical(b, work)
         d = list(difflib.unified_diff(la, lb, f"ref/{rel}", f"new/{rel}", lineterm="", n=1))
         n_diff = sum(1 for x in d if x[:1] in "+-") - 2
-        print(f"{rel}: " + ("identical" if not d else f"{n_diff} lines differ") + f" ({len(la)} lines)")
+        same_bytes = a.read_bytes() == b.read_bytes()
+        print(f"{rel}: " + ("identical" if not d else f"{n_diff} lines differ") + f" ({len(la)} lines)"
+              + ("; byte-identical" if same_bytes else ""))
         for line in d[:200]:
             print("   ", line)
         n_bad += bool(d)
