@@ -106,6 +106,8 @@ TR_DEFAULTS: dict[str, Any] = {
     "n_unanswerable": None,            # first n unanswerable items (None: all)
     "verified_only": False,            # keep only rows with verified: true (the paper's human-verified pools)
     "formulations": None,              # None: the run's formulations
+    "models": None,                    # None: notebook 04's models (finetune.models: the run's instruction-
+                                       #   tuned models, as the paper's Table 6); else a list of the run's models
     "frames": list(FRAMES),
     "forward_objectives": ["sft", "dpo"],
     "forward_folds": [0],              # which of notebook 04's fold adapters to read (any: none saw this set)
@@ -152,6 +154,13 @@ def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     if forms is None:
         fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
     t["formulations"] = forms
+    run_models = list(P.get("models") or [])
+    if t["models"] is None:
+        t["models"] = [m for m in finetune.finetune_params(P, source)["models"] if m in run_models]
+    elif isinstance(t["models"], str):
+        t["models"] = [t["models"]]
+    if not isinstance(t["models"], list) or any(m not in run_models for m in t["models"]):
+        fail("models", f"must be null (notebook 04's models) or a list drawn from the run's models {run_models}")
     if not isinstance(t["frames"], list) or not t["frames"] or any(f not in FRAMES for f in t["frames"]):
         fail("frames", f"must be a non-empty list drawn from {list(FRAMES)}")
     t["frames"] = [f for f in FRAMES if f in t["frames"]]
@@ -466,7 +475,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
     }
     bench = load_benchmark(P.get("release_dir")) if tr["reverse"] else None
     out_dir = run_dir / "transfer"
-    for model in P["models"]:
+    for model in tr["models"]:
         gen_kw = _gen_kwargs(P, ft)
         label = model
         ms: dict[str, Any] = {"arms": {}, "forward": {}}
