@@ -4,8 +4,8 @@ import warnings
 
 import pytest
 
+from conftest import ScriptedGenerator
 from memtoc import cache
-from memtoc.backends.base import Generator, Reply
 
 
 def rec(k, text="t"):
@@ -71,21 +71,10 @@ def test_record_without_text_names_file_and_line(tmp_path):
         g.generate(["x"], cache_path=p)
 
 
-class CountingGenerator(Generator):
-    """A deterministic fake backend that records which prompts it was asked to generate."""
-
-    backend = "fake"
-
-    def __init__(self, batch=2):
-        super().__init__({"model": "fake", "decoding": {"max_new_tokens": 4}})
-        self.calls = []
-        self.batch = batch
-
-    def _generate_batches(self, prompts, desc):
-        for k in range(0, len(prompts), self.batch):
-            idx = list(range(k, min(k + self.batch, len(prompts))))
-            self.calls += [prompts[i] for i in idx]
-            yield idx, [Reply(prompts[i].upper(), 1, 1, 0.0, "", False) for i in idx]
+def CountingGenerator(batch=2):
+    """A deterministic fake backend (upper-cases the prompt) that records what it generated (``seen``)."""
+    return ScriptedGenerator(str.upper, identity={"model": "fake", "decoding": {"max_new_tokens": 4}}, batch=batch,
+                             n_prompt_tokens=1, n_new_tokens=1)
 
 
 def test_generate_skips_cached_and_dedups(tmp_path):
@@ -93,11 +82,11 @@ def test_generate_skips_cached_and_dedups(tmp_path):
     p = tmp_path / "m" / "arm.jsonl"
     r1 = g.generate(["a", "b", "a", "c"], cache_path=p)
     assert [r.text for r in r1] == ["A", "B", "A", "C"]
-    assert g.calls == ["a", "b", "c"]  # duplicates generated once
+    assert g.seen == ["a", "b", "c"]  # duplicates generated once
     r2 = g.generate(["c", "d", "a"], cache_path=p)
     assert [r.text for r in r2] == ["C", "D", "A"]
     assert [r.cached for r in r2] == [True, False, True]
-    assert g.calls == ["a", "b", "c", "d"]
+    assert g.seen == ["a", "b", "c", "d"]
     assert len(p.read_text().splitlines()) == 4
 
 
@@ -107,7 +96,7 @@ def test_generate_reuses_sibling_file_and_copies(tmp_path):
     other = tmp_path / "m" / "untreated__reference.jsonl"
     r = g.generate(["y", "z"], cache_path=other)
     assert [x.cached for x in r] == [True, False]
-    assert g.calls == ["x", "y", "z"]
+    assert g.seen == ["x", "y", "z"]
     assert len(cache.read_cache(other)) == 2  # the reused reply was copied: each arm file is complete
 
 
@@ -118,7 +107,7 @@ def test_identity_change_regenerates(tmp_path):
     g2 = CountingGenerator()
     g2.identity = {"model": "fake", "decoding": {"max_new_tokens": 5}}
     r = g2.generate(["a"], cache_path=p)
-    assert not r[0].cached and g2.calls == ["a"]
+    assert not r[0].cached and g2.seen == ["a"]
 
 
 def test_parsable_last_line_without_newline_is_kept(tmp_path):

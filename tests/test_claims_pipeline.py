@@ -9,28 +9,22 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from conftest import PlainGenerator, PlainReply
+from memtoc import analyses, construct, elicitation, judge
 from memtoc import claims as C
+from memtoc import evaluation as ev
+from memtoc import finetune
+from memtoc.benchmark import load_benchmark, select_questions
+from memtoc.config import DEFAULTS
+from memtoc.episodes import run_episodes
+from memtoc.prompts import closed_book_prompt
 from memtoc import report as R
 
 MODELS = ("fake-a", "fake-b")
-
-
-class _Reply:
-    def __init__(self, text):
-        self.text, self.n_new_tokens, self.cached = text, 3, False
-
-
-class _Gen:
-    def __init__(self, answer):
-        self.answer = answer
-
-    def generate(self, prompts, cache_path=None, desc=None):
-        return [_Reply(self.answer(p)) for p in prompts]
 
 
 class _Judge:
@@ -38,8 +32,8 @@ class _Judge:
 
     def generate(self, prompts, cache_path=None, desc=None):
         if "YES or NO" in (prompts or [""])[0]:
-            return [_Reply("YES" if len(p) % 2 else "NO") for p in prompts]
-        return [_Reply("ABSTAIN" if len(p) % 3 == 0 else "something else") for p in prompts]
+            return [PlainReply("YES" if len(p) % 2 else "NO") for p in prompts]
+        return [PlainReply("ABSTAIN" if len(p) % 3 == 0 else "something else") for p in prompts]
 
 
 def _rule(seed, gold_by_prompt=None):
@@ -68,13 +62,6 @@ def _rule(seed, gold_by_prompt=None):
 
 @pytest.fixture(scope="module")
 def stage_run(tmp_path_factory):
-    from memtoc import construct, elicitation, judge
-    from memtoc import evaluation as ev
-    from memtoc.benchmark import load_benchmark, select_questions
-    from memtoc.config import DEFAULTS
-    from memtoc.episodes import run_episodes
-    from memtoc.prompts import closed_book_prompt
-
     bench = load_benchmark()
     P = dict(DEFAULTS, n_questions=10, n_questions_extra=5, n_boot=100, n_perm=200, run_name="stagerun")
     rd = tmp_path_factory.mktemp("stagerun")
@@ -88,29 +75,25 @@ def stage_run(tmp_path_factory):
         gold = {closed_book_prompt(q.question, f, v): (q.gold if (i + len(q.qkey)) % 2 else q.near)
                 for q in qs for f in P["formulations"] for v in ("forced", "permissive")}
         for variant in ("forced", "permissive"):
-            df = elicitation.elicit(_Gen(_rule(i, gold)), m, qs, P["formulations"], variant, rd)
+            df = elicitation.elicit(PlainGenerator(_rule(i, gold)), m, qs, P["formulations"], variant, rd)
             mems.append(df)
             if variant == "forced":
                 memory[m] = df
         gold_e = {e.prompt: e.gold for e in eps}
-        scored[m] = ev.evaluate(_Gen(_rule(10 + i, gold_e)), m, eps, memory[m], rd)
+        scored[m] = ev.evaluate(PlainGenerator(_rule(10 + i, gold_e)), m, eps, memory[m], rd)
     (rd / "summaries" / "elicitation.json").write_text(json.dumps(elicitation.summary(pd.concat(mems)), default=str))
     # the optional judged layer (PROTOCOL §4b) with a scripted judge, so its claims are checked too
-    summary = judge.add_judged(ev.evaluation_summary(scored, memory, P), scored,
+    summary = judge.add_judged(analyses.evaluation_summary(scored, memory, P), scored,
                                dict(P, run_dir=rd, judge={"model": "fake-judge"}), generator=_Judge())
-    ev.write_summary(summary, rd)
-    try:
-        from memtoc import finetune
-    except ImportError:   # the fine-tuning stage is optional for the report
-        return rd
+    analyses.write_summary(summary, rd)
     held = finetune.eval_episodes(qs, P["formulations"])
     summ = {"schema_version": 1, "models": {}}
     for i, m in enumerate(MODELS):
         gold_e = {e.prompt: e.gold for e in held}
-        untreated = finetune.score_with(_Gen(_rule(10 + i, gold_e)), m, held, memory[m], rd)
+        untreated = finetune.score_with(PlainGenerator(_rule(10 + i, gold_e)), m, held, memory[m], rd)
         objs = {}
         for j, obj in enumerate(("sft", "dpo")):
-            treated = finetune.score_with(_Gen(_rule(20 + 2 * i + j, gold_e)), f"{m}__{obj}", held, memory[m], rd)
+            treated = finetune.score_with(PlainGenerator(_rule(20 + 2 * i + j, gold_e)), f"{m}__{obj}", held, memory[m], rd)
             objs[obj] = finetune.paired_deltas(treated, untreated, P["formulations"], n_boot=100, n_perm=200)
         summ["models"][m] = {"base": "fake", "folds": {}, "adapters": {}, "objectives": objs}
     finetune.write_summary(summ, rd)

@@ -5,8 +5,8 @@ import json
 import pandas as pd
 import pytest
 
+from conftest import ScriptedGenerator as Scripted
 from memtoc import elicitation
-from memtoc.backends.base import Generator, Reply
 from memtoc.config import DataError
 from memtoc.records import Question
 
@@ -14,25 +14,6 @@ from memtoc.records import Question
 def q(i, gold, kind="person"):
     return Question(id=f"{i}.0", instance_id=i, hop_idx=0, qkey=f"question {i}", question=f"Question {i}?",
                     gold=gold, gold_kind=kind, family="free_form", near="x", near_original="x", far=None, fold=i % 2)
-
-
-class Scripted(Generator):
-    """Answers each prompt from a table keyed by a substring of the prompt."""
-
-    backend = "fake"
-
-    def __init__(self, answers):
-        super().__init__({"model": "fake"})
-        self.answers = answers
-        self.seen = []
-
-    def _generate_batches(self, prompts, desc):
-        self.seen += prompts
-        out = []
-        for p in prompts:
-            text = next(a for k, a in self.answers.items() if k in p)
-            out.append(Reply(text, 10, 3, 0.01, "", False))
-        yield list(range(len(prompts))), out
 
 
 QS = [q(1, "Herbert Ross"), q(2, "Paris", "place"), q(3, "1999", "year")]

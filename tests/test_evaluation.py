@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import PlainGenerator
+from memtoc import analyses, cache, metrics, stats, tables, vocab
 from memtoc import evaluation as ev
-from memtoc import metrics, stats
-from memtoc.benchmark import load_benchmark, select_questions
-from memtoc.episodes import build_episodes, run_episodes
+from memtoc.backends.base import Reply
+from memtoc.benchmark import select_questions
+from memtoc.cache import request_key
 from memtoc.config import DEFAULTS, FORMULATIONS
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark()
+from memtoc.episodes import run_episodes
+from memtoc.prompts import closed_book_prompt
 
 
 def _params(**kw):
@@ -39,23 +37,6 @@ def _memory(questions, forms, rng, p_correct=0.5, p_absent=0.1):
             rows.append({"model": "fake", "formulation": f, "variant": "forced", "question_id": q.id,
                          "qkey": q.qkey, "instance_id": q.instance_id, "response": resp})
     return pd.DataFrame(rows)
-
-
-class FakeReply:
-    def __init__(self, text):
-        self.text, self.n_new_tokens, self.cached = text, 3, False
-
-
-class FakeGenerator:
-    """Answers by a deterministic rule of the prompt: follows a tool value with probability p."""
-
-    def __init__(self, answer):
-        self.answer = answer
-        self.calls = []
-
-    def generate(self, prompts, cache_path=None, desc=None):
-        self.calls.append((Path(cache_path).name, len(prompts)))
-        return [FakeReply(self.answer(p)) for p in prompts]
 
 
 def _answer_by_episode(episodes, seed=0, follow=0.6, abstain=0.1):
@@ -79,7 +60,7 @@ def run(bench, tmp_path_factory):
     eps = run_episodes(bench, P)
     qs = select_questions(bench.analysis, P["n_questions"], P["seed"])
     mem = _memory(qs, P["formulations"], random.Random(1))
-    gen = FakeGenerator(_answer_by_episode(eps))
+    gen = PlainGenerator(_answer_by_episode(eps))
     rd = tmp_path_factory.mktemp("run")
     df = ev.evaluate(gen, "fake", eps, mem, rd)
     return P, eps, mem, gen, rd, df
@@ -135,11 +116,11 @@ def test_missing_memory_is_a_clear_error(run):
 
 def test_metric_units_agree_with_arm_metrics(run):
     df = run[-1]
-    d = ev.select_arm(df, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
+    d = analyses.select_arm(df, conditions=["tool_right", "tool_wrong", "tool_error", "no_tool"])
     d = d[d["formulation"] == "reference"]
     am = metrics.arm_metrics(d)
     for m in ("retention", "tool_follow", "wrong_follow", "err_abstain", "cra_conflict", "nc_acc"):
-        u = ev.metric_units(d, m)
+        u = metrics.metric_units(d, m)
         if len(u):
             assert u["value"].mean() == pytest.approx(am[m]), m
         else:
@@ -153,7 +134,7 @@ def test_rate_intervals_pooled_is_unweighted_mean():
         for i in range(n):
             rows.append({"formulation": f, "qkey": f"q{i}", "value": float(rng.random() < p)})
     u = pd.DataFrame(rows)
-    r = ev.rate_intervals(u, FORMULATIONS, n_boot=300)
+    r = analyses.rate_intervals(u, FORMULATIONS, n_boot=300)
     a, b = u[u.formulation == "reference"].value.mean(), u[u.formulation == "paraphrase_a"].value.mean()
     assert r["reference"]["value"] == pytest.approx(a)
     assert r["pooled"]["value"] == pytest.approx((a + b) / 2)   # not the episode-weighted mean
@@ -168,12 +149,12 @@ def test_contrast_detects_a_real_shift_and_not_a_null():
     base = pd.DataFrame({"formulation": "reference", "qkey": [f"q{i}" for i in range(200)],
                          "value": (rng.random(200) < 0.3).astype(float)})
     up = base.assign(value=np.maximum(base["value"], (rng.random(200) < 0.5).astype(float)))
-    c = ev.contrast(up, base, n_boot=500, n_perm=2000)
+    c = analyses.contrast(up, base, n_boot=500, n_perm=2000)
     assert c["delta"] > 0.2 and c["p"] < 0.01 and c["ci95"][0] > 0
-    same = ev.contrast(base, base, n_boot=200, n_perm=500)
+    same = analyses.contrast(base, base, n_boot=200, n_perm=500)
     assert same["delta"] == 0 and same["p"] == 1.0
     # common support: only shared (formulation, qkey) units count
-    c2 = ev.contrast(up.iloc[:50], base, n_boot=100, n_perm=100)
+    c2 = analyses.contrast(up.iloc[:50], base, n_boot=100, n_perm=100)
     assert c2["n_units"] == 50
 
 
@@ -183,10 +164,10 @@ def test_prompting_success_and_holm(run):
     d = df.copy()
     m = (d["arm"] == "prior") & (d["condition"] == "tool_wrong") & (d["cell"] == "arb")
     d.loc[m, "outcome"] = "kept_memory"
-    sec = ev.arm_comparison(d, ev.PROMPTING_ARMS, ("retention", "tool_follow"), "prompting",
+    sec = analyses.arm_comparison(d, vocab.PROMPTING_ARMS, ("retention", "tool_follow"), "prompting",
                             n_boot=300, n_perm=2000)
     models = {"fake": {"prompting": sec}}
-    ev.apply_families(models, 0.05)
+    analyses.apply_families(models, 0.05)
     assert set(sec) >= {"warn", "prior", "flag", "untreated"}
     c = sec["prior"]["contrasts"]["retention"]
     assert c["delta"] > 0 and c["p_holm"] >= c["p"] and c["family"] == "prompting_retention"
@@ -207,11 +188,11 @@ def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
     m = (d2["arm"] == "warn") & (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
     d2.loc[m, "outcome"] = "kept_memory"
     d2["model"] = "fake2"
-    s = ev.evaluation_summary({"fake": df, "fake2": d2}, None, dict(P, n_boot=100, n_perm=400))
+    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, None, dict(P, n_boot=100, n_perm=400))
     fam = s["holm_families"]["prompting_retention"]
     assert fam["axes"] == ["model", "strategy"] and len(fam["members"]) == 6
     raw = {f"{mod}|{a}": s["models"][mod]["prompting"][a]["contrasts"]["retention"]["p"]
-           for mod in ("fake", "fake2") for a in ev.PROMPTING_ARMS}
+           for mod in ("fake", "fake2") for a in vocab.PROMPTING_ARMS}
     expect = stats.holm(raw)
     for k, v in fam["members"].items():
         mod, a = k.split("|")
@@ -225,23 +206,23 @@ def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
 
 def test_far_frames_payloads_noop_sections(run):
     P, eps, mem, gen, rd, df = run
-    far = ev.far_comparison(df, n_boot=100, n_perm=200)
+    far = analyses.far_comparison(df, n_boot=100, n_perm=200)
     assert far["n_common"] <= P["n_questions_extra"]
     assert set(far["contrasts"]) >= {"retention", "wrong_follow"}
-    fr = ev.frames_comparison(df, n_boot=100, n_perm=200)
+    fr = analyses.frames_comparison(df, n_boot=100, n_perm=200)
     assert set(fr) >= {"schema", "no_schema", "passage"}
     assert "correct_value_follow" in fr["passage"]["pooled"] and "incorrect_value_follow" in fr["passage"]["pooled"]
-    pl = ev.payload_comparison(df, n_boot=100, n_perm=200)
+    pl = analyses.payload_comparison(df, n_boot=100, n_perm=200)
     assert set(pl["contrasts"]) == {"timeout", "permission_denied"}
     # every payload kind is asked of the same questions
     assert pl["timeout"]["pooled"]["err_abstain"]["n"] == pl["service_unavailable"]["pooled"]["err_abstain"]["n"]
-    no = ev.noop_comparison(df, n_boot=100, n_perm=200)
+    no = analyses.noop_comparison(df, n_boot=100, n_perm=200)
     assert no["noop"]["pooled"]["accuracy"]["n"] == no["no_tool"]["pooled"]["accuracy"]["n"]
 
 
 def test_matcher_sensitivity_reports_both_matchers(run):
     P, eps, mem, gen, rd, df = run
-    ms = ev.matcher_sensitivity(df, mem, P["formulations"])
+    ms = analyses.matcher_sensitivity(df, mem, P["formulations"])
     v = ms["pooled"]["tool_follow"]
     assert set(v) == {"paper", "strict", "delta"}
     assert 0 <= ms["changed_decisions"]["final_correct"] <= 1
@@ -249,11 +230,11 @@ def test_matcher_sensitivity_reports_both_matchers(run):
 
 def test_summary_json_structure(run):
     P, eps, mem, gen, rd, df = run
-    s = ev.evaluation_summary({"fake": df}, {"fake": mem}, P)
-    path = ev.write_summary(s, rd)
+    s = analyses.evaluation_summary({"fake": df}, {"fake": mem}, P)
+    path = analyses.write_summary(s, rd)
     s2 = json.loads(path.read_text())
     m = s2["models"]["fake"]
-    for metric in ev.HEADLINE_METRICS:
+    for metric in vocab.HEADLINE_METRICS:
         iv = m["headline"]["pooled"][metric]
         assert set(iv) >= {"value", "ci95", "n"}
     assert m["n_questions"] == {"headline": 24, "extra": 12}
@@ -261,11 +242,11 @@ def test_summary_json_structure(run):
         assert sec in m, sec
     assert "success" in m["prompting"]["flag"]
     assert "retention" in s2["ranking_stability"]
-    t = ev.headline_table(s2)
+    t = tables.headline_table(s2)
     assert {"model", "formulation", "metric", "value", "lo", "hi", "n"} <= set(t.columns)
-    assert len(ev.contrast_table(s2, "prompting")) == 3 * 4
-    assert len(ev.contrast_table(s2, "far")) >= 2
-    assert not ev.arms_table(s2, "frames").empty
+    assert len(tables.contrast_table(s2, "prompting")) == 3 * 4
+    assert len(tables.contrast_table(s2, "far")) >= 2
+    assert not tables.arms_table(s2, "frames").empty
 
 
 class KeyedFake:
@@ -277,7 +258,6 @@ class KeyedFake:
         self.calls: list[list[str]] = []
 
     def key(self, prompt):
-        from memtoc.cache import request_key
         return request_key(self.identity, prompt)
 
     def generate(self, prompts, cache_path=None, desc=None):
@@ -285,14 +265,10 @@ class KeyedFake:
         self.calls.append(list(prompts))
         if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
             raise KeyboardInterrupt("killed")
-        from memtoc.backends.base import Reply
         return [Reply(self.answer(p), 10, 3, 0.01, self.key(p), False, "eos") for p in prompts]
 
 
 def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_path):
-    from memtoc import cache
-    from memtoc.prompts import closed_book_prompt
-
     P = _params(n_questions=6, n_questions_extra=4, formulations=["reference"])
     eps = run_episodes(bench, P)
     answer = _answer_by_episode(eps)
@@ -336,7 +312,7 @@ def test_cross_model_closed_book_and_reference_contrasts(run):
     permissive agreement."""
     P, eps, mem, gen, rd, df = run
     d2 = df.assign(model="fake2")
-    s = ev.evaluation_summary({"fake": df, "fake2": d2}, {"fake": mem, "fake2": mem}, dict(P, n_boot=50, n_perm=50))
+    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, {"fake": mem, "fake2": mem}, dict(P, n_boot=50, n_perm=50))
     m = s["models"]["fake"]
     assert set(m["far"]["contrasts_reference"]) >= {"retention", "wrong_follow"}
     assert "retention" in m["protocol"]["no_protocol_sentence"]["contrasts_reference"]
@@ -346,9 +322,9 @@ def test_cross_model_closed_book_and_reference_contrasts(run):
     forced = pd.DataFrame({"formulation": "reference", "qkey": ["a", "b", "c", "d"],
                            "mem_absent": [False, False, False, False], "memory_correct": [True, False, True, True]})
     perm = forced.assign(mem_absent=[False, False, True, False], memory_correct=[True, True, None, True])
-    ag = ev.closed_book_agreement(forced, perm)["pooled"]
+    ag = analyses.closed_book_agreement(forced, perm)["pooled"]
     assert ag == {"n": 4, "both_answered": 3, "same_correctness": pytest.approx(2 / 3), "permissive_abstained": 0.25}
-    assert ev.final_line_compliance(["x\nFINAL: y", "no marker", None]) == {"n": 3, "rate": pytest.approx(1 / 3)}
+    assert analyses.final_line_compliance(["x\nFINAL: y", "no marker", None]) == {"n": 3, "rate": pytest.approx(1 / 3)}
 
 
 def test_finetune_families_span_models_and_objectives():
@@ -359,7 +335,7 @@ def test_finetune_families_span_models_and_objectives():
     summ = {"models": {m: {"objectives": {o: {"deltas": {
         "retention": {"pooled": c(p), "reference": c(p)}, "tool_follow": {"pooled": c(0.5, -0.01)},
         "wrong_follow": {"pooled": c(0.01)}}} for o, p in (("sft", 0.01), ("dpo", 0.04))}} for m in ("a", "b")}}
-    applied = ev.apply_finetune_families(summ)
+    applied = analyses.apply_finetune_families(summ)
     fam = applied["finetune_retention"]["pooled"]
     assert set(fam) == {"a|sft", "a|dpo", "b|sft", "b|dpo"}
     assert fam["a|dpo"] == pytest.approx(0.08)            # 2 x 0.04 after the two 0.01s
@@ -367,3 +343,15 @@ def test_finetune_families_span_models_and_objectives():
     assert d["deltas"]["wrong_follow"]["pooled"]["p_holm"] is None
     assert d["criterion"]["passed"] is False and summ["models"]["a"]["objectives"]["sft"]["criterion"]["passed"]
     assert "members" in summ["holm_families"]["finetune_retention"]
+
+
+def test_every_extra_arm_has_its_summary_section(run):
+    """An extra arm whose episodes were generated never vanishes from the summary: each entry of
+    vocab.EXTRA_ARM_SPECS (all of them are in the default extra_arms) yields its section."""
+    P, eps, mem, gen, rd, df = run
+    assert set(P["extra_arms"]) == set(vocab.EXTRA_ARMS)
+    s = analyses.model_summary(df, mem, P["formulations"], n_boot=50, n_perm=50)
+    for spec in vocab.EXTRA_ARM_SPECS:
+        assert s.get(spec.section), f"extra arm {spec.name}: no '{spec.section}' section"
+    for arm in vocab.PROMPTING_ARMS:
+        assert arm in s["prompting"]

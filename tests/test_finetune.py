@@ -8,16 +8,11 @@ import pandas as pd
 import pytest
 
 from memtoc import finetune as F
-from memtoc.benchmark import load_benchmark, select_questions
+from memtoc.benchmark import select_questions
 from memtoc.config import FORMULATIONS, ConfigError, load_params
 from memtoc.metrics import synthetic_arm
 from memtoc.models import attention_implementation
 from memtoc.records import Question
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark()
 
 
 def _q(i: int, chain: int, fold: int, excluded: bool = False, far: str | None = "Far Town") -> Question:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from conftest import ScriptedGenerator
 from memtoc import judge as J
 from memtoc import metrics, scoring
-from memtoc.backends.base import Generator, Reply
 from memtoc.config import DEFAULTS, ConfigError, validate_params
 
 
@@ -56,17 +55,6 @@ def scored():
         _row("e10", "tool_wrong", "xyz", qkey="q5").copy() | {"condition": "tool_far"},
     ]
     return pd.DataFrame(rows)
-
-
-class Scripted:
-    """A fake judge: answers each prompt by a rule (no cache)."""
-
-    def __init__(self, rule):
-        self.rule, self.calls = rule, []
-
-    def generate(self, prompts, cache_path=None, desc=None):
-        self.calls.append((None if cache_path is None else Path(cache_path).name, len(prompts)))
-        return [Reply(self.rule(p), 0, 0, 0.0, "", False) for p in prompts]
 
 
 def _j(req, text):
@@ -270,20 +258,6 @@ def test_judge_parameter_defaults_to_null_and_is_validated():
 
 # ---------------------------------------------------------------------------------------- run + glue
 
-class CachedFake(Generator):
-    """A Generator with the real cache logic (base class) and a scripted reply."""
-
-    backend = "fake"
-
-    def __init__(self, rule):
-        super().__init__({"model": "fake-judge"})
-        self.rule, self.n_generated = rule, 0
-
-    def _generate_batches(self, prompts, desc):
-        self.n_generated += len(prompts)
-        yield list(range(len(prompts))), [Reply(self.rule(p), 5, 2, 0.0, "", False) for p in prompts]
-
-
 def _rule(p):
     if "YES or NO" in p:
         return "YES" if "Lyon" in p.split("Reply:")[1] else "NO"
@@ -291,7 +265,7 @@ def _rule(p):
 
 
 def test_run_judge_writes_the_cache_and_reuses_it(scored, tmp_path):
-    gen = CachedFake(_rule)
+    gen = ScriptedGenerator(_rule, name="fake-judge")
     js = J.run_judge(gen, "judge__fake", scored, tmp_path)
     d = tmp_path / "generations" / "judge__fake"
     assert sorted(p.name for p in d.glob("*.jsonl")) == ["judge_ack.jsonl", "judge_extract.jsonl"]
@@ -313,7 +287,7 @@ def test_add_judged_is_a_no_op_without_a_judge(scored, tmp_path):
 
 def test_add_judged_writes_rows_and_the_summary_section(scored, tmp_path):
     P = dict(DEFAULTS, run_dir=tmp_path, n_boot=50, judge={"model": "fake-judge"})
-    gen = CachedFake(_rule)
+    gen = ScriptedGenerator(_rule, name="fake-judge")
     out = J.add_judged({"models": {}}, {"m": scored}, P, generator=gen)
     sec = out["judged"]
     assert sec["judge"]["label"] == "judge__fake-judge" and sec["judge"]["backend"] == "transformers"

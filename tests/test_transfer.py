@@ -12,7 +12,7 @@ import pytest
 from memtoc import cli as memtoc_cli
 from memtoc import elicitation, finetune, models, prompts
 from memtoc.backends.base import Generator, Reply
-from memtoc.benchmark import load_benchmark, select_questions
+from memtoc.benchmark import select_questions
 from memtoc.config import ConfigError, load_params
 from memtoc.pipeline import plan
 from memtoc.records import Question
@@ -186,11 +186,6 @@ def test_builtin_set_ships_as_package_data():
 
 # ---------------------------------------------------------------------------------------------
 # reverse-transfer training data: no MemToC content
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark()
-
 
 def test_reverse_examples_have_no_memtoc_content(bench):
     items, _ = load_items("builtin")
