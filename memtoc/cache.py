@@ -15,7 +15,6 @@ start with "memtoc cache:" so that ``memtoc run`` can repeat them outside the no
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -23,14 +22,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .config import MemtocError
+from .io import sha256_text
 
 
 class CacheError(MemtocError):
     """A cache file is corrupt beyond a truncated last line."""
-
-
-def sha256_text(s: str) -> str:
-    return hashlib.sha256(s.encode("utf-8")).hexdigest()
 
 
 def canonical_json(obj: Any) -> str:

@@ -26,13 +26,15 @@ import pandas as pd
 from .config import DataError, check_choice, check_choices
 from .metrics import assign_cell
 from .prompts import closed_book_prompt
-from .records import Question, dumps
+from .io import write_jsonl
+from .records import Question
 from .scoring import memory_status
+from .vocab import CELLS, FORMULATIONS
+from .vocab import CLOSED_BOOK_VARIANTS as VARIANTS
 
 COLUMNS = ["model", "formulation", "variant", "question_id", "qkey", "instance_id", "response", "span",
            "mem_absent", "memory_correct"]
 EXTRA_COLUMNS = ["gold", "gold_kind", "fold", "n_new_tokens", "cached"]
-from .vocab import CELLS, CLOSED_BOOK_VARIANTS as VARIANTS, FORMULATIONS  # noqa: E402  (re-exported names)
 
 
 def cache_stem(formulation: str, variant: str) -> str:
@@ -72,12 +74,7 @@ def elicit(generator, model_label: str, questions: Sequence[Question], formulati
                          "fold": q.fold, "n_new_tokens": r.n_new_tokens, "cached": r.cached})
     df = pd.DataFrame(rows, columns=COLUMNS + EXTRA_COLUMNS)
     out = Path(scored_file) if scored_file is not None else scored_path(run_dir, model_label, variant)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in rows:
-            f.write(dumps(rec) + "\n")
-    os.replace(tmp, out)
+    write_jsonl(out, rows, convert=False)
     return df
 
 

@@ -4,12 +4,12 @@ in place, writing the output atomically."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .config import MemtocError
+from .io import atomic_write_text
 
 
 def split_lines(text: str) -> list[str]:
@@ -87,12 +87,6 @@ def write_output(records: Iterable[dict[str, Any]], output: Optional[Path], erro
         sys.stdout.write(payload)
         return
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output.with_name(output.name + ".tmp")
-        try:
-            tmp.write_text(payload, encoding="utf-8")
-            os.replace(tmp, output)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_text(output, payload)
     except OSError as e:
         raise error(f"-o {output}: cannot write ({e.strerror or e})") from None

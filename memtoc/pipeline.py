@@ -55,6 +55,7 @@ import yaml
 
 from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
+from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
 from .config import REPO_ROOT, ConfigError, MemtocError, load_params, resolve_release_dir, run_dir
 from .transfer import transfer_params
 
@@ -116,16 +117,6 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
                 raise ConfigError(f"--set {item!r}: {p!r} was already set to a non-mapping value")
         node[parts[-1]] = value
     return out
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,14 +201,6 @@ def package_versions(names: tuple[str, ...] = PROVENANCE_PACKAGES) -> dict[str, 
     return out
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def release_hashes(release_dir: Path) -> dict[str, str]:
     """sha256 of every file under the release directory (relative path -> hex digest)."""
     return {str(p.relative_to(release_dir)): sha256_file(p)
@@ -249,17 +232,6 @@ def provenance(params: dict[str, Any]) -> dict[str, Any]:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomic write (temp file + rename); the temp file never outlives a failed write."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(json.dumps(_jsonable(obj), indent=2, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,11 +297,11 @@ def stage_params(params: dict[str, Any], number: str, release_digest: str | None
     every = {k: v for k, v in params.items() if k not in NON_RESULT_KEYS}
     every["release"] = release_digest
     keys = STAGE_KEYS.get(number)
-    return _jsonable({k: every[k] for k in (keys or sorted(every)) if k in every})
+    return plain({k: every[k] for k in (keys or sorted(every)) if k in every})
 
 
 def params_sha256(d: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(_jsonable(d), sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return sha256_json(plain(d))
 
 
 def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, Any],
@@ -438,10 +410,10 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
                 if entry.get("status") == "running":
                     entry.update(status="failed", finished=_now())
             try:
-                _write_json(cfg_path, cfg)
+                write_json(cfg_path, cfg)
             except OSError:  # no room for a temp file: rewrite in place (truncating frees its blocks)
                 try:
-                    cfg_path.write_text(json.dumps(_jsonable(cfg), indent=2, ensure_ascii=False) + "\n")
+                    cfg_path.write_text(json.dumps(plain(cfg), indent=2, ensure_ascii=False) + "\n")
                 except OSError:
                     pass  # effective_status() still reads it as "interrupted" once the lock is gone
         raise PipelineError(f"cannot write under {rd}: {e.strerror or e}"
@@ -475,14 +447,8 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
             "or use another run_name")
     (rd / "notebooks").mkdir(parents=True, exist_ok=True)
     params_file = rd / "params.yaml"
-    tmp = params_file.with_suffix(".yaml.tmp")
-    try:
-        tmp.write_text(
-            "# Resolved parameters of this run, written by `memtoc run`; every notebook reads this file.\n"
-            + yaml.safe_dump(_jsonable(params), sort_keys=False, allow_unicode=True))
-        os.replace(tmp, params_file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_text(params_file, "# Resolved parameters of this run, written by `memtoc run`; every notebook reads "
+                      "this file.\n" + yaml.safe_dump(plain(params), sort_keys=False, allow_unicode=True))
 
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
     bindir = str(Path(sys.executable).parent)
@@ -513,7 +479,7 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
         if entry["status"] == "running":   # we hold the lock: that run died without saying so
             entry["status"] = "interrupted"
         cfg["history"] = (hist + [entry])[-20:]
-    _write_json(cfg_path, cfg)
+    write_json(cfg_path, cfg)
 
     to_run = [s for s in steps if s.run]
     echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
@@ -527,13 +493,13 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
             entry.update(status="skipped", reason=s.reason)
             echo(f"  - {s.name}: skipped ({s.reason})")
             cfg["notebooks"].append(entry)
-            _write_json(cfg_path, cfg)
+            write_json(cfg_path, cfg)
             continue
         k += 1
         dst = rd / "notebooks" / s.path.name
         entry.update(executed=str(dst), started=_now(), status="running")
         cfg["notebooks"].append(entry)
-        _write_json(cfg_path, cfg)
+        write_json(cfg_path, cfg)
         label = f"[{k}/{len(to_run)}] {s.name}"
         echo(f"  {label} ...")
         t0 = time.perf_counter()
@@ -545,7 +511,7 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
         except KeyboardInterrupt:
             entry.update(status="interrupted", seconds=round(time.perf_counter() - t0, 1), finished=_now())
             cfg.update(status="interrupted", finished=_now())
-            _write_json(cfg_path, cfg)
+            write_json(cfg_path, cfg)
             echo(f"  interrupted during {s.name}; rerun the same command to resume from the cache")
             raise
         except OSError:
@@ -556,7 +522,7 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
                 echo(f"      {line}")
             entry.update(status="failed", seconds=secs, finished=_now(), error=_error_summary(e))
             cfg.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
-            _write_json(cfg_path, cfg)
+            write_json(cfg_path, cfg)
             raise PipelineError(f"notebook {s.name} failed after {secs:.0f} s ({_error_summary(e)}); "
                                 f"see the executed copy {dst}") from None
         finally:
@@ -569,10 +535,10 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
         sp = stage_params(params, s.number, digest)
         stages[s.name] = {"number": s.number, "params_sha256": params_sha256(sp), "params": sp,
                           "finished": entry["finished"]}
-        _write_json(cfg_path, cfg)
+        write_json(cfg_path, cfg)
         echo(f"      {s.name} done in {secs:.1f} s")
     cfg.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
-    _write_json(cfg_path, cfg)
+    write_json(cfg_path, cfg)
     echo(f"memtoc run: done in {cfg['seconds']:.1f} s; config: {cfg_path}")
     return cfg
 
