@@ -36,20 +36,18 @@ the release data supports, through memtoc's own analysis code (``memtoc/publishe
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime as _dt
 import hashlib
-import itertools
 import json
 import math
 import re
 import string
-import sys
 from dataclasses import asdict, dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import pandas as pd
 import yaml
 
 from . import published
@@ -574,7 +572,6 @@ class VerificationResult:
                 "n_claims": self.n_claims, "n_pass": self.n_pass, "rows": [asdict(r) for r in self.rows]}
 
     def to_frame(self):
-        import pandas as pd
         return pd.DataFrame([asdict(r) for r in self.rows])
 
 

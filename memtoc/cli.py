@@ -12,7 +12,7 @@ import sys
 from .config import MemtocError
 
 COMMANDS = {
-    "run": ("memtoc.pipeline", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml "
+    "run": ("memtoc.runcmd", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml "
                                "[--only NB] [--set K=V] [--list] [--dry-run]"),
     "benchmark": ("memtoc.benchmark", "print benchmark and episode counts: memtoc benchmark [--release DIR] [--json]"),
     "score": ("memtoc.scoring", "re-score replies offline: memtoc score IN.jsonl [-o OUT] [--matcher paper|strict]"),

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+import pandas as pd
+
 from .benchmark import PAPER_COUNTS, qkey_of
 from .config import PAPER_SEED, DataError
 from .records import Question, unique_by
@@ -419,7 +421,6 @@ _COUNT_ROWS = (
 
 def counts_table(counts: dict[str, Any]):
     """memtoc's counts beside the paper's, as a pandas DataFrame (columns memtoc, paper, match)."""
-    import pandas as pd
 
     flat = dict(counts)
     if "episodes" in counts:
@@ -442,7 +443,6 @@ def counts_table(counts: dict[str, Any]):
 def distribution_table(questions: Iterable[Question], attr: str):
     """Counts and shares of ``attr`` (gold_kind or family) in the pool and in the analysis set,
     with the far-value coverage of each group in the analysis set."""
-    import pandas as pd
 
     qs = list(questions)
     rows = []
@@ -462,7 +462,6 @@ def plot_answer_types(questions: Iterable[Question], path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import pandas as pd
     import seaborn as sns
 
     qs = list(questions)
@@ -489,7 +488,6 @@ def plot_answer_types(questions: Iterable[Question], path) -> Path:
 
 def episode_table(episodes):
     """Episode counts by condition, frame, arm and payload kind (columns: formulations)."""
-    import pandas as pd
 
     df = pd.DataFrame([{"condition": e.condition, "frame": e.frame, "arm": e.arm,
                         "payload_kind": e.payload_kind or "-", "formulation": e.formulation} for e in episodes])
@@ -553,7 +551,6 @@ def related_summary(questions: Iterable[Question]) -> dict[str, Any]:
 def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
     """The content of ``summaries/construction.json``: counts, paper counts, QC, generator share,
     and the run's episode counts."""
-    from collections import Counter as _C
 
     counts = bench.counts()
     qc = qc_report(bench.questions)
@@ -572,10 +569,10 @@ def construction_summary(bench, run_episodes_list=None) -> dict[str, Any]:
         eps = list(run_episodes_list)
         out["run_episodes"] = {
             "total": len(eps),
-            "by_formulation": dict(_C(e.formulation for e in eps)),
-            "by_condition": dict(_C(e.condition for e in eps)),
-            "by_arm_key": dict(_C(e.arm_key for e in eps)),
+            "by_formulation": dict(Counter(e.formulation for e in eps)),
+            "by_condition": dict(Counter(e.condition for e in eps)),
+            "by_arm_key": dict(Counter(e.arm_key for e in eps)),
             "questions": len({e.qkey for e in eps}),
-            "schema_kinds": dict(_C(e.schema_kind for e in eps)),
+            "schema_kinds": dict(Counter(e.schema_kind for e in eps)),
         }
     return out

@@ -26,12 +26,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from .benchmark import select_questions
 from .config import ConfigError, DataError, check_choices
 from .prompts import (NOOP_OUTPUT, closed_book_prompt, error_payload, synthesize_schema, value_output,
                       with_tool_prompt)
 from .records import Episode, Question, dumps, unique_by
 from .runconfig import RunConfig
+from .selection import select_questions
 
 from .vocab import (ALL_CONDITIONS, ARMS, BASELINE_ARM, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD, EXTRA_ARM_SPECS,
                     FORMULATIONS, FRAMES, PAYLOAD_KINDS, VALUE_CONDITIONS)

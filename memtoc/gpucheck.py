@@ -30,7 +30,9 @@ Exit status 0 when every case passed (skips allowed), 1 otherwise; ``--json FILE
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import platform
 import shutil
 import sys
 import tempfile
@@ -256,7 +258,6 @@ def _finite(x) -> bool:
 
 
 def _free(device: str) -> None:
-    import gc
     gc.collect()
     if device.startswith("cuda"):
         import torch
@@ -310,7 +311,6 @@ def _line(r: CaseResult) -> str:
 
 
 def environment() -> dict[str, Any]:
-    import platform
 
     import torch
     import transformers

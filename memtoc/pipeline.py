@@ -35,7 +35,6 @@ Nothing here deletes anything under the run directory: the generation cache
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime as _dt
 import hashlib
@@ -56,7 +55,7 @@ import yaml
 from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
 from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
-from .config import REPO_ROOT, ConfigError, MemtocError, load_params, resolve_release_dir, run_dir
+from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release_dir, run_dir
 from .transfer import transfer_params
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -541,34 +540,3 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
     write_json(cfg_path, cfg)
     echo(f"memtoc run: done in {cfg['seconds']:.1f} s; config: {cfg_path}")
     return cfg
-
-
-def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="memtoc run", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("params", help="parameter file, e.g. params/default.yaml")
-    ap.add_argument("--only", nargs="+", action="extend", metavar="NB",
-                    help="run only these notebooks (stem like 03_evaluation, or number like 03)")
-    ap.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
-                    help="override a parameter (YAML value; dotted keys for mappings), repeatable")
-    ap.add_argument("--list", action="store_true", help="print the plan and exit without running")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="print the plan with request counts and GPU memory / time estimates; loads no weights")
-    ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
-    a = ap.parse_args(argv)
-    params = load_params(a.params, overrides=parse_set(a.sets))
-    if a.list:
-        for s in plan(params, a.only):
-            print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")
-        st = effective_status(run_dir(params))
-        print(f"run directory {run_dir(params)}: " + (f"last run {st}" if st else "no run yet"))
-        return 0
-    if a.dry_run:
-        from .dryrun import dry_run
-        print(dry_run(params, a.only, source=a.params))
-        return 0
-    try:
-        run(params, a.only, log_output=a.log_output, source=a.params)
-    except KeyboardInterrupt:
-        return 130
-    return 0

@@ -43,6 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+import pandas as pd
+
 from ..config import MemtocError
 from ..jsonl import json_lines, read_lines, split_lines
 from ..scoring import canon
@@ -265,7 +267,6 @@ def read_rows(path) -> list[dict[str, Any]]:
         raise TransferDataError(f"{path}: no such file")
     suf = path.suffix.lower()
     if suf == ".parquet":
-        import pandas as pd
         rows = pd.read_parquet(path).to_dict("records")
         return [_plain(r) for r in rows]
     text = path.read_text(encoding="utf-8")

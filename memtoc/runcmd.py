@@ -1,0 +1,39 @@
+"""``memtoc run PARAMS.yaml [--only NB ...] [--set K=V] [--list] [--dry-run]``: the command line of
+:mod:`memtoc.pipeline` (and of :mod:`memtoc.dryrun`, which builds on the pipeline's plan)."""
+from __future__ import annotations
+
+import argparse
+
+from . import pipeline
+from .config import load_params, run_dir
+from .dryrun import dry_run
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="memtoc run", description=pipeline.__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("params", help="parameter file, e.g. params/default.yaml")
+    ap.add_argument("--only", nargs="+", action="extend", metavar="NB",
+                    help="run only these notebooks (stem like 03_evaluation, or number like 03)")
+    ap.add_argument("--set", dest="sets", action="append", metavar="KEY=VALUE",
+                    help="override a parameter (YAML value; dotted keys for mappings), repeatable")
+    ap.add_argument("--list", action="store_true", help="print the plan and exit without running")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the plan with request counts and GPU memory / time estimates; loads no weights")
+    ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
+    a = ap.parse_args(argv)
+    params = load_params(a.params, overrides=pipeline.parse_set(a.sets))
+    if a.list:
+        for s in pipeline.plan(params, a.only):
+            print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")
+        st = pipeline.effective_status(run_dir(params))
+        print(f"run directory {run_dir(params)}: " + (f"last run {st}" if st else "no run yet"))
+        return 0
+    if a.dry_run:
+        print(dry_run(params, a.only, source=a.params))
+        return 0
+    try:
+        pipeline.run(params, a.only, log_output=a.log_output, source=a.params)
+    except KeyboardInterrupt:
+        return 130
+    return 0
