@@ -113,6 +113,9 @@ class RunConfig(Mapping):
     verify: bool
     run_dir: Path                       # <output_root>/<run_name>, resolved
     source: str = "<params>"            # the params file (for error messages)
+    # parameters of config.DEFAULTS without a typed field yet (a stage added its block): readable as
+    # cfg[key] / cfg.key; tests/test_runconfig.py asks for a typed field
+    extra: dict = field(default_factory=dict)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -133,12 +136,14 @@ class RunConfig(Mapping):
     @classmethod
     def _build(cls, p: dict[str, Any], source: str, rd: Any = None) -> "RunConfig":
         j = p["judge"]
-        kw = {k: p[k] for k in DEFAULTS}
+        typed = _typed_fields()
+        kw = {k: p[k] for k in DEFAULTS if k in typed}
         kw.update(models=tuple(p["models"]), formulations=tuple(p["formulations"]),
                   base_formulations=None if p["base_formulations"] is None else tuple(p["base_formulations"]),
                   extra_arms=tuple(p["extra_arms"]),
                   judge=None if j is None else JudgeConfig(**j))
-        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source)
+        extra = {k: p[k] for k in DEFAULTS if k not in typed}
+        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source, extra=extra)
 
     def with_release_resolved(self) -> "RunConfig":
         """A copy whose ``release_dir`` is the absolute release folder (``config.resolve_release_dir``)."""
@@ -175,8 +180,14 @@ class RunConfig(Mapping):
         return out
 
     # -- the Mapping protocol: a RunConfig reads like the old flat dict -------------------------
+    def __getattr__(self, name: str) -> Any:       # only for names that are not fields
+        extra = self.__dict__.get("extra") or {}
+        if name in extra:
+            return extra[name]
+        raise AttributeError(f"'RunConfig' object has no attribute {name!r}")
+
     def __getitem__(self, key: str) -> Any:
-        if key not in _KEYS:
+        if key not in _keys():
             raise KeyError(key)
         v = getattr(self, key)
         if isinstance(v, tuple):
@@ -186,12 +197,16 @@ class RunConfig(Mapping):
         return v
 
     def __iter__(self) -> Iterator[str]:
-        return iter(_KEYS)
+        return iter(_keys())
 
     def __len__(self) -> int:
-        return len(_KEYS)
+        return len(_keys())
 
 
-_KEYS = tuple(DEFAULTS) + ("run_dir",)
-assert {f.name for f in fields(RunConfig)} == set(_KEYS) | {"source"}, "RunConfig must mirror config.DEFAULTS"
+def _keys() -> tuple[str, ...]:
+    return tuple(DEFAULTS) + ("run_dir",)
+
+
+def _typed_fields() -> set[str]:
+    return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "extra"}
 __all__ = ["RunConfig", "RunPaths", "JudgeConfig", "ConfigError"]

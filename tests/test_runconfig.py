@@ -23,6 +23,14 @@ def test_every_shipped_params_file_builds_and_reads_like_the_dict(path):
     assert {**cfg, "run_dir": "x"}["run_dir"] == "x"    # the stages' `{**P, ...}` idiom
 
 
+def test_every_parameter_has_a_typed_field():
+    """A parameter added to config.DEFAULTS still reads as cfg[key] (RunConfig.extra), but the recipe
+    asks for a typed field: this test names the missing ones."""
+    from memtoc.runconfig import _typed_fields
+    assert set(DEFAULTS) - _typed_fields() == set(), "add a typed field to memtoc.runconfig.RunConfig"
+    assert RunConfig.of({}).extra == {}
+
+
 def test_of_accepts_a_partial_dict_with_run_dir_and_is_idempotent(tmp_path):
     cfg = RunConfig.of({"n_boot": 7, "run_dir": tmp_path})
     assert cfg.n_boot == 7 and cfg.n_perm == DEFAULTS["n_perm"] and cfg.run_dir == tmp_path
