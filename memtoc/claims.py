@@ -29,13 +29,11 @@ report, and flags digits in the report text that are not inside a marker (untagg
 
 :func:`resolve` reads a run's files and produces :class:`Claim` objects; :func:`write_claims`
 writes ``<run_dir>/paper/claims.json``; :func:`verify` re-derives every claim from its file and
-diffs the printed value; :func:`verify_published` re-derives the published paper's numbers that
-the release data supports, through memtoc's own analysis code (``memtoc/published.py``). ``memtoc verify`` is
-:func:`cli`.
+diffs the printed value. The published paper's numbers are re-derived by :mod:`memtoc.published`;
+``memtoc verify`` is :mod:`memtoc.verifycmd`.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import hashlib
 import json
@@ -50,7 +48,6 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 import yaml
 
-from . import published
 from .config import REPO_ROOT, MemtocError
 from .lock import check_run_versions
 
@@ -728,45 +725,3 @@ def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
                          source="paper/report.md",
                          detail=("numbers outside claim markers: " + " | ".join(s[:60] for s in stray[:5])) if stray else ""))
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Published paper checks: memtoc/published.py (re-derived through memtoc.metrics / memtoc.stats)
-
-def verify_published(release_dir: str | Path | None = None, registry: str | Path | dict | None = None):
-    """The published paper's derivable numbers, re-derived from the release data through memtoc's
-    own analysis code: :func:`memtoc.published.verify_published` (kept here for ``memtoc verify``
-    and notebook 09)."""
-    return published.verify_published(release_dir, registry)
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-
-def cli(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="memtoc verify", description=
-                                 "Re-derive every claim of a run's report from its files (and/or the "
-                                 "published paper's numbers from the release data).")
-    ap.add_argument("run_dir", nargs="?", help="run directory, e.g. outputs/default")
-    ap.add_argument("--published", action="store_true",
-                    help="also (or, without RUN_DIR, only) check the published paper's derivable numbers")
-    ap.add_argument("--release", default=None, help="release directory (default: the usual lookup)")
-    ap.add_argument("--registry", default=None, help="claim registry (default paper/claims.yaml)")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args(argv)
-    if not args.run_dir and not args.published:
-        ap.error("give RUN_DIR (e.g. outputs/default) and/or --published")
-    results = []
-    if args.run_dir:
-        results.append(verify(args.run_dir, registry=args.registry))
-    if args.published:
-        results.append(verify_published(args.release, args.registry))
-    if args.json:       # --published alone: one object {"checks": [...], "summary": {...}}
-        doc = results[0].to_dict() if (args.published and not args.run_dir) else [r.to_dict() for r in results]
-        print(json.dumps(doc, indent=1, ensure_ascii=False))
-    else:
-        for r in results:
-            print(f"== {'run ' + r.target if r.kind == 'run' else 'published paper vs ' + r.target}")
-            print(r.table())
-            print(r.summary())
-    return 0 if all(r.ok for r in results) else 1

@@ -19,7 +19,7 @@ COMMANDS = {
     "model": ("memtoc.models", "model registry: memtoc model prepare NAME | memtoc model list"),
     "bench": ("memtoc.bench", "speed benchmarks: memtoc bench generation|stats [--json]"),
     "gpucheck": ("memtoc.gpucheck", "check the transformers path on this GPU (tiny random models + an 8B DPO step): memtoc gpucheck [--tiny]"),
-    "verify": ("memtoc.claims", "re-derive every claim of a run: memtoc verify RUN_DIR"),
+    "verify": ("memtoc.verifycmd", "re-derive every claim of a run: memtoc verify RUN_DIR"),
     "transfer": ("memtoc.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
 }
 

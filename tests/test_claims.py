@@ -9,6 +9,7 @@ import pytest
 
 from memtoc import claims as C
 from memtoc import report as R
+from memtoc import verifycmd
 from memtoc.config import MemtocError
 
 FORMS = ["reference", "paraphrase_a", "paraphrase_b"]
@@ -197,7 +198,7 @@ def test_verify_passes_on_a_fresh_report(built, capsys):
     res = C.verify(built)
     assert res.ok, res.table()
     assert res.n_pass == res.n_claims > 100
-    assert C.cli([str(built)]) == 0
+    assert verifycmd.cli([str(built)]) == 0
     out = capsys.readouterr().out
     assert f"{res.n_claims}/{res.n_claims} claims pass" in out
 
@@ -221,7 +222,7 @@ def test_perturbed_copy_fails_and_names_the_claim(built, tmp_path, capsys):
     assert not res.ok
     failed = {r.id for r in res.failures}
     assert "main.tiny-a.untreated.tool_follow" in failed
-    assert C.cli([str(copy)]) == 1
+    assert verifycmd.cli([str(copy)]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "main.tiny-a.untreated.tool_follow" in out
     # the original is untouched and still passes
@@ -298,7 +299,7 @@ def test_verify_clear_errors(tmp_path, capsys):
 
 
 def test_json_output(built, capsys):
-    assert C.cli([str(built), "--json"]) == 0
+    assert verifycmd.cli([str(built), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc[0]["ok"] and doc[0]["n_pass"] == doc[0]["n_claims"]
 

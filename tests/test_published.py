@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from memtoc import claims, metrics, published, stats
+from memtoc import verifycmd
 from memtoc.config import resolve_release_dir
 
 
@@ -99,7 +100,7 @@ def test_criterion_is_the_one_stats_definition():
 
 
 def test_cli_prints_one_json_object(capsys):
-    assert claims.cli(["--published", "--json"]) == 0
+    assert verifycmd.cli(["--published", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"checks", "summary"} and doc["summary"]["by_status"]["MISMATCH"] == 0
     assert pd.DataFrame(doc["checks"]).groupby("family").size()["table4"] >= 60
