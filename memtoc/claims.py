@@ -50,6 +50,8 @@ import yaml
 
 from .config import REPO_ROOT, MemtocError
 from .lock import check_run_versions
+from .metrics import metric_spec
+from .vocab import HEADLINE_METRICS
 
 REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
 DERIVATIONS = ("min", "max", "range", "count")
@@ -299,6 +301,16 @@ def _escape_deep(v: Any) -> Any:
 def _domain(spec: Any, env: dict[str, Any], files: _Files, where: str) -> list[Any]:
     if isinstance(spec, list):
         return list(spec)
+    if isinstance(spec, dict) and "metrics" in spec:     # the metric registry: {key, col, name} per metric
+        names = spec["metrics"]
+        names = list(HEADLINE_METRICS) if names == "headline" else names
+        if not isinstance(names, list):
+            raise ClaimError(f"{where}: foreach domain {{metrics: ...}} takes 'headline' or a list of metric names")
+        try:
+            specs = [metric_spec(n) for n in names]
+        except MemtocError as e:
+            raise ClaimError(f"{where}: {e}") from None
+        return [{"key": m.name, "col": m.column, "name": m.label} for m in specs]
     if isinstance(spec, dict) and "pointer" in spec:
         rel = _fill(spec.get("file", ""), env)
         node = files.get(rel, _fill(spec["pointer"], env, escape=True))
@@ -311,7 +323,7 @@ def _domain(spec: Any, env: dict[str, Any], files: _Files, where: str) -> list[A
             raise ClaimError(f"{where}: foreach domain {spec} is a {type(node).__name__}, not a mapping or list")
         excl = set(spec.get("exclude", []))
         return [v for v in vals if v not in excl]
-    raise ClaimError(f"{where}: a foreach domain must be a list or {{file, pointer}}, got {spec!r}")
+    raise ClaimError(f"{where}: a foreach domain must be a list, {{file, pointer}} or {{metrics: ...}}, got {spec!r}")
 
 
 def _expand(vars_: dict[str, Any], env: dict[str, Any], files: _Files, where: str) -> list[dict[str, Any]]:

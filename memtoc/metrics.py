@@ -89,6 +89,8 @@ class MetricSpec:
     support: tuple[tuple[str, Optional[tuple[str, ...]]], ...]
     flag: Flag                          # column name, (column, value) or callable
     definition: str
+    label: str                          # the name prose and the report use
+    column: str                         # the short table column
     cell_metric: bool = True
 
     @property
@@ -109,39 +111,54 @@ class MetricSpec:
         return tuple(f.name for f in _stats.FAMILIES.values() if f.metric == self.name)
 
 
-def _spec(name: str, support: dict, flag: Flag, definition: str, cell_metric: bool = True) -> MetricSpec:
+def _spec(name: str, support: dict, flag: Flag, definition: str, label: str, column: str,
+          cell_metric: bool = True) -> MetricSpec:
     return MetricSpec(name, tuple((c, None if v is None else tuple(v)) for c, v in support.items()), flag,
-                      definition, cell_metric)
+                      definition, label, column, cell_metric)
 
 
 #: The metric registry: every metric a table, figure, summary section, claim or the report names.
 METRICS: dict[str, MetricSpec] = {s.name: s for s in (
     _spec("retention", {"tool_wrong": ["arb"]}, ("outcome", "kept_memory"),
-          "tool_wrong, arb cell (memory correct, tool incorrect): outcome kept_memory (ties 'both' excluded)"),
+          "tool_wrong, arb cell (memory correct, tool incorrect): outcome kept_memory (ties 'both' excluded)",
+          "correct-answer retention", "Ret."),
     _spec("keep_flag", {"tool_wrong": ["arb"]}, "kept_memory",
-          "tool_wrong, arb cell: kept_memory flag (ties 'both' included; legacy)"),
-    _spec("cra_arb", {"tool_wrong": ["arb"]}, "final_correct", "tool_wrong, arb cell: final answer correct"),
+          "tool_wrong, arb cell: kept_memory flag (ties 'both' included; legacy)",
+          "kept-memory flag", "Keep"),
+    _spec("cra_arb", {"tool_wrong": ["arb"]}, "final_correct", "tool_wrong, arb cell: final answer correct",
+          "correct answers in the arb cell", "CRA arb"),
     _spec("tool_follow", {"tool_right": ["tool_gold"]}, "followed_tool",
-          "tool_right, tool_gold cell (memory incorrect, tool correct): followed the tool value"),
+          "tool_right, tool_gold cell (memory incorrect, tool correct): followed the tool value",
+          "correct-tool following", "Tool"),
     _spec("wrong_follow", {"tool_wrong": ["both_wrong"]}, "followed_tool",
-          "tool_wrong, both_wrong cell (memory and tool incorrect): followed the incorrect tool value"),
+          "tool_wrong, both_wrong cell (memory and tool incorrect): followed the incorrect tool value",
+          "incorrect-tool following", "Wrong"),
     _spec("bw_gold", {"tool_wrong": ["both_wrong"]}, "final_correct",
-          "tool_wrong, both_wrong cell: final answer correct"),
+          "tool_wrong, both_wrong cell: final answer correct",
+          "correct answers in the both-wrong cell", "BW gold"),
     _spec("err_abstain", {"tool_error": None}, "abstain",
-          "tool_error, all episodes (mem_absent included): the final answer abstains"),
+          "tool_error, all episodes (mem_absent included): the final answer abstains",
+          "tool-error abstention", "Err."),
     _spec("cra_conflict", {"tool_wrong": ["arb"], "tool_right": ["tool_gold"]}, "final_correct",
-          "tool_wrong in the arb cell + tool_right in the tool_gold cell: final answer correct"),
-    _spec("agree_acc", {"tool_right": ["agree"]}, "final_correct", "tool_right, agree cell: final answer correct"),
+          "tool_wrong in the arb cell + tool_right in the tool_gold cell: final answer correct",
+          "correct answers under conflict", "CRA conflict"),
+    _spec("agree_acc", {"tool_right": ["agree"]}, "final_correct", "tool_right, agree cell: final answer correct",
+          "accuracy when memory and tool agree", "Agree acc."),
     _spec("nc_acc", {"tool_right": ["tool_gold"]}, "final_correct",
           "tool_right, tool_gold cell: final answer correct (the release's no-conflict accuracy; under "
           "deterministic decoding it equals correct-tool following by construction, since the release's "
-          "no_conflict episodes re-generate tool_right byte for byte)"),
+          "no_conflict episodes re-generate tool_right byte for byte)",
+          "no-conflict accuracy", "NC acc."),
     _spec("correct_value_follow", {"tool_right": None}, "followed_tool",
-          "tool_right, all episodes: followed the (correct) tool value", cell_metric=False),
+          "tool_right, all episodes: followed the (correct) tool value",
+          "correct-value following", "Follows correct value", cell_metric=False),
     _spec("incorrect_value_follow", {"tool_wrong": None}, "followed_tool",
-          "tool_wrong (or tool_far), all episodes: followed the (incorrect) tool value", cell_metric=False),
-    _spec("accuracy", {}, "final_correct", "all episodes of the condition: final answer correct", cell_metric=False),
-    _spec("abstain", {}, "abstain", "all episodes of the condition: the final answer abstains", cell_metric=False),
+          "tool_wrong (or tool_far), all episodes: followed the (incorrect) tool value",
+          "incorrect-value following", "Follows incorrect value", cell_metric=False),
+    _spec("accuracy", {}, "final_correct", "all episodes of the condition: final answer correct",
+          "answer accuracy", "Acc.", cell_metric=False),
+    _spec("abstain", {}, "abstain", "all episodes of the condition: the final answer abstains",
+          "abstention", "Abstain", cell_metric=False),
 )}
 assert tuple(METRICS) == METRIC_NAMES, "metrics.METRICS must define every vocab.METRIC_NAMES, in that order"
 #: the per-arm metric set of the headline block (arm_metrics / summarize_group), in registry order

@@ -170,6 +170,19 @@ def test_templates_expand_over_models_and_derive_ranges(tmp_path):
     assert c.value == "6,504" and "6,504" in c.statement
 
 
+def test_metric_domains_come_from_the_registry(tmp_path):
+    run = make_run(tmp_path)
+    claims = {c.id: c for c in C.resolve(run)}
+    # {metrics: headline}: key, table column and prose name from memtoc.metrics.METRICS
+    c = claims["main.tiny-a.untreated.tool_follow"]
+    assert c.table["col"] == "Tool" and "correct-tool following" in c.statement
+    reg = {"claims": [{"id": "x.{metric[key]}", "statement": "{metric[name]}: {value}", "file": "summaries/evaluation.json",
+                       "pointer": "/models/tiny-a/headline/pooled/{metric[key]}/value", "rounding": "percent:1",
+                       "foreach": {"metric": {"metrics": ["retension"]}}}]}
+    with pytest.raises(C.ClaimError, match="unknown metric 'retension'"):
+        C.resolve(run, registry=reg)
+
+
 def test_optional_sections_are_omitted_required_ones_fail(tmp_path):
     run = make_run(tmp_path, finetune=False, prompting=False)
     claims, omitted = C.resolve_all(run)
