@@ -185,6 +185,14 @@ def rate_intervals(units: pd.DataFrame, formulations: Sequence[str], n_boot: int
     return out
 
 
+def add_rates(section: dict, metric: str, units: pd.DataFrame, formulations: Sequence[str], n_boot: int,
+              seed: int) -> dict:
+    """``section[form|pooled][metric] = interval`` for every entry of :func:`rate_intervals` (in place)."""
+    for k, v in rate_intervals(units, formulations, n_boot, seed).items():
+        section.setdefault(k, {})[metric] = v
+    return section
+
+
 def contrast(treat: pd.DataFrame, base: pd.DataFrame, n_boot: int = 1000, n_perm: int = 10000,
              seed: int = 0, treatment: str = "", baseline: str = "") -> dict:
     """Paired contrast treatment − baseline on common support (units (formulation, qkey), clusters
@@ -307,14 +315,12 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
     out: dict[str, Any] = {base_name: {}}
     base_units = {m: metric_units(base, m) for m in metric_names}
     for m in metric_names:
-        for k, v in rate_intervals(base_units[m], forms, n_boot, seed).items():
-            out[base_name].setdefault(k, {})[m] = v
+        add_rates(out[base_name], m, base_units[m], forms, n_boot, seed)
     for name, d in variants.items():
         out[name] = {"contrasts": {}}
         for m in metric_names:
             u = metric_units(d, m)
-            for k, v in rate_intervals(u, forms, n_boot, seed).items():
-                out[name].setdefault(k, {})[m] = v
+            add_rates(out[name], m, u, forms, n_boot, seed)
             out[name]["contrasts"][m] = contrast(u, base_units[m], n_boot, n_perm, seed, name, base_name)
     return out
 
@@ -386,10 +392,8 @@ def far_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = No
     for m in ("retention", "wrong_follow", "incorrect_value_follow"):
         un = metric_units(near, m, condition="tool_wrong")
         uf = metric_units(far, m, condition="tool_far")
-        for k, v in rate_intervals(un, forms, n_boot, seed).items():
-            out["near"].setdefault(k, {})[m] = v
-        for k, v in rate_intervals(uf, forms, n_boot, seed).items():
-            out["far"].setdefault(k, {})[m] = v
+        add_rates(out["near"], m, un, forms, n_boot, seed)
+        add_rates(out["far"], m, uf, forms, n_boot, seed)
         out["contrasts"][m] = contrast(uf, un, n_boot, n_perm, seed, "far", "near")
         ref = REFERENCE_FORMULATION
         if ref in forms:     # the paper reports far vs near on the Reference formulation (pv0)
@@ -433,10 +437,8 @@ def noop_comparison(scored: pd.DataFrame, formulations: Sequence[str] | None = N
     for m in ("accuracy", "abstain"):
         un = metric_units(noop, m, condition="noop")
         ut = metric_units(nt, m, condition="no_tool")
-        for k, v in rate_intervals(un, forms, n_boot, seed).items():
-            out["noop"].setdefault(k, {})[m] = v
-        for k, v in rate_intervals(ut, forms, n_boot, seed).items():
-            out["no_tool"].setdefault(k, {})[m] = v
+        add_rates(out["noop"], m, un, forms, n_boot, seed)
+        add_rates(out["no_tool"], m, ut, forms, n_boot, seed)
         out["contrasts"][m] = contrast(un, ut, n_boot, n_perm, seed, "noop", "no_tool")
     apply_holm(out["contrasts"])
     return out
