@@ -109,6 +109,7 @@ class RunConfig(Mapping):
     alpha: float
     finetune: dict
     transfer: dict
+    probes: dict
     judge: Optional[JudgeConfig]
     verify: bool
     run_dir: Path                       # <output_root>/<run_name>, resolved

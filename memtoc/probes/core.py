@@ -1,0 +1,436 @@
+"""Notebook 05's stage: the Jacobian-lens availability probe (App. H, Table 8) and the SAE steering
+probe (App. C) on every model of the run, reading notebooks 02/03's outputs of the same run.
+
+``summaries/probes.json`` (``schema_version`` 1)::
+
+    /corpus, /caveat, /config
+    /models/<model>/lens/<set>/<readout>/{followed_tool,kept_memory,control}   {median_rank, top20, n}
+    /models/<model>/lens/<set>/<readout>/best_subtoken/<split>                  same, best rank over subtokens
+    /models/<model>/lens/<set>/<readout>/answer_not_in_prompt/<split>           same, answers absent from the prompt
+    /models/<model>/lens/<set>/<readout>/per_layer/<split>                      {layer: median rank}
+    /models/<model>/lens/<set>/n_episodes, n_both, n_neither
+    /models/<model>/lens_quality/<readout>/<layer>                              {top1, n}
+    /models/<model>/lens_fit                                                    band, file, corpus, prompts, tokens, seconds
+    /models/<model>/sae/layers/<l>/{fvu, passes_gate, l0, dead_fraction, spliced_loss, file, ...}
+    /models/<model>/sae/mining                                                  split info, features per side
+    /models/<model>/sae/steer/bar                                               the stopping bar (half of 03's prompting effect)
+    /models/<model>/sae/steer/<layer>/<direction>/<position>/<strength>         steering cell (steering.cell)
+    /models/<model>/timing                                                      seconds per part
+    /published                                                                  the paper's Table 8 and App. C numbers
+
+Sets: ``arbitration`` (the paper's: tool_wrong episodes in the arbitration cell, closed-book answer
+correct) and ``own_answer`` (every tool_wrong episode whose closed-book answer is non-empty and
+differs from the tool value). Splits by the untreated reply: ``followed_tool`` / ``kept_memory``;
+``control`` = the same prompts' ranks of other questions' closed-book answers.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .. import models
+from ..benchmark import load_benchmark
+from ..config import ConfigError, MemtocError, resolve_release_dir, section_params
+from ..io import write_json
+from ..scoring import canon
+from . import corpus as C
+from . import lens as L
+from . import mining as M
+from . import sae as S
+from . import steering as ST
+from .hfmodel import LoadedModel, load_model
+
+SCHEMA_VERSION = 1
+SETS = ("arbitration", "own_answer")
+SPLITS = ("followed_tool", "kept_memory")
+TOP = 20
+
+#: Every key of the ``probes`` parameter block with its default (params/probes.yaml: full sizes).
+PR_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "corpus": C.BUILTIN,            # builtin (pydoc_data.topics) or a UTF-8 text file
+    # Jacobian lens
+    "bands": {},                    # {model: [lo, hi]} inclusive source layers; default: the top default_band_layers
+    "default_band_layers": 5,
+    "lens_files": {},               # {model: lens.pt} a published or earlier lens (reference layout); else fitted
+    "lens_fit_prompts": 2,          # fit-corpus documents (exact estimator; see params/probes.yaml for the cost)
+    "lens_max_seq_len": 32,
+    "lens_skip_first": 4,           # transformer-lens's default is 16 with 128-token prompts
+    "lens_dim_batch": 128,
+    "heldout_texts": 2,             # lens quality and spliced loss: held-out corpus documents
+    "heldout_max_seq_len": 48,
+    "lens_formulations": ["reference"],
+    "lens_max_episodes": 40,        # per set and split (the paper: all of its arbitration episodes)
+    "n_control": 5,                 # other questions' answers per prompt
+    # SAE
+    "sae_layers": {},               # {model: [layers]}; default: the band's middle layer
+    "sae_files": {},                # {model: {layer: dir}} pretrained dictionaries in sae-lens's layout
+    "sae_expansion": 4,
+    "sae_k": 16,
+    "sae_steps": 300,
+    "sae_batch": 256,
+    "sae_lr": 1.0e-3,
+    "sae_prompts": 16,              # run episode prompts (full sequences) for training
+    "sae_corpus_texts": 4,          # plus generic documents
+    "sae_max_seq_len": 128,
+    "sae_heldout_prompts": 4,       # held-out episode prompts: FVU gate, spliced loss
+    "fvu_gate": S.FVU_GATE,
+    # mining and steering
+    "mine_fold": 0,
+    "mine_per_label": 16,           # mining episodes per label (kept memory / followed tool)
+    "top_features": 8,
+    "steer_per_direction": 4,       # the paper: 40 per direction
+    "strengths": [4, 12],           # the paper: 1-12
+    "directions": list(ST.DIRECTIONS),
+    "positions": list(ST.POSITIONS),
+    "steer_formulations": ["reference"],
+}
+
+CAVEAT = ("Embedded-model numbers: a tiny model whose arbitration cell holds a handful of episodes, a "
+          "Jacobian lens fitted on a few documents of an offline corpus ({corpus}), and an SAE trained "
+          "here on a few thousand tokens: pipeline checks, not measurements of the paper's models. No "
+          "mechanism claims.")
+
+
+class ProbeError(MemtocError):
+    """Missing inputs of notebooks 02/03, or an impossible probes configuration."""
+
+
+def probes_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
+    pr = section_params(P, "probes", PR_DEFAULTS, source)
+    for k in ("directions", "positions"):
+        valid = ST.DIRECTIONS if k == "directions" else ST.POSITIONS
+        bad = [v for v in pr[k] if v not in valid]
+        if bad:
+            raise ConfigError(f"{source}: probes.{k} {bad}; valid: {', '.join(valid)}")
+    for k in ("strengths",):
+        if not pr[k] or any(not isinstance(s, (int, float)) or s <= 0 for s in pr[k]):
+            raise ConfigError(f"{source}: probes.strengths must be positive numbers (0 is the baseline, always run)")
+    for k in ("bands", "lens_files", "sae_layers", "sae_files"):
+        if not isinstance(pr[k], dict):
+            raise ConfigError(f"{source}: probes.{k} must be a mapping keyed by model name")
+    return pr
+
+
+def _for_model(table: dict, name: str, label: str):
+    for k in (name, label):
+        if k in table:
+            return table[k]
+    return None
+
+
+def band_of(pr: dict, lm: LoadedModel) -> list[int]:
+    b = _for_model(pr["bands"], lm.name, lm.spec.label)
+    top = lm.n_layers - 2                       # source layers stop below the last layer
+    if b is None:
+        return list(range(max(0, top - pr["default_band_layers"] + 1), top + 1))
+    lo, hi = int(b[0]), min(int(b[1]), top)
+    if not 0 <= lo <= hi:
+        raise ConfigError(f"probes.bands.{lm.name}: {b} is not a range inside 0..{top}")
+    return list(range(lo, hi + 1))
+
+
+# -- inputs ------------------------------------------------------------------------------------
+def read_scored(run_dir: Path, label: str, formulations: Sequence[str]) -> list[dict]:
+    rows = []
+    for f in formulations:
+        p = run_dir / "scored" / label / f"untreated__{f}.jsonl"
+        if not p.is_file():
+            raise ProbeError(f"{p} does not exist: notebook 03_evaluation must run before 05_probes "
+                             f"(model {label}, formulation {f})")
+        with open(p, encoding="utf-8") as fh:
+            rows += [json.loads(ln) for ln in fh if ln.strip()]
+    return [r for r in rows if r.get("condition") == "tool_wrong" and r.get("frame", "schema") == "schema"]
+
+
+def episode_sets(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    arb = [r for r in rows if r.get("cell") == "arb"]
+    own = [r for r in rows if r.get("memory_span") and not r.get("mem_absent")
+           and canon(r["memory_span"]) and canon(r["memory_span"]) != canon(str(r.get("tool_value")))]
+    return {"arbitration": arb, "own_answer": own}
+
+
+def _first_tokens(lm: LoadedModel, answer: str) -> list[int]:
+    return list(lm.tokenizer(answer.strip(), add_special_tokens=False)["input_ids"])
+
+
+def _rank_stats(ranks: Sequence[int]) -> dict[str, Any]:
+    r = list(ranks)
+    return {"median_rank": statistics.median(r) if r else None, "top20": sum(x <= TOP for x in r), "n": len(r)}
+
+
+# -- the lens ------------------------------------------------------------------------------------
+def run_lens(lm: LoadedModel, pr: dict, rows: list[dict], run_dir: Path, docs_fit: list[str],
+             docs_held: list[str], corpus_info: C.CorpusInfo) -> dict[str, Any]:
+    t0 = time.time()
+    band = band_of(pr, lm)
+    given = _for_model(pr["lens_files"], lm.name, lm.spec.label)
+    if given:
+        lens = L.load_lens(given)
+        L.check_lens(lens, lm, f"probes.lens_files.{lm.name}")
+        missing = [l for l in band if l not in lens.J]
+        if missing:
+            raise ConfigError(f"probes.lens_files.{lm.name}: {given} has no matrix for band layers {missing}")
+        fit = {"file": str(given), "source": "given", "metadata": lens.metadata, "n_prompts": lens.n_prompts}
+    else:
+        key = L.fit_key(lm, corpus_info.sha256, band, pr["lens_skip_first"], pr["lens_max_seq_len"], len(docs_fit))
+        out = run_dir / "probes" / lm.spec.label / "lens" / key
+        lens = L.fit_lens(lm, docs_fit, band, out, max_seq_len=pr["lens_max_seq_len"],
+                          skip_first=pr["lens_skip_first"], dim_batch=pr["lens_dim_batch"],
+                          metadata={"model": lm.name, "weights_sha256": lm.weights_sha256,
+                                    "corpus": corpus_info.to_dict()},
+                          desc=f"{lm.spec.label}: Jacobian lens")
+        fit = {"file": str(out / L.LENS_FILE), "source": "fitted here", "n_prompts": lens.n_prompts,
+               "n_tokens": lens.metadata.get("n_tokens"), "estimator": "exact (one-hot cotangents)"}
+    t_fit = time.time() - t0
+    held = [lm.encode_text(d, pr["heldout_max_seq_len"]) for d in docs_held]
+    quality = L.lens_quality(lm, held, lens, band)
+    t_q = time.time() - t0 - t_fit
+    sets = episode_sets(rows)
+    out_sets = {}
+    for name in SETS:
+        eps = [e for sp in SPLITS for e in [x for x in sets[name] if x["outcome"] == sp][: pr["lens_max_episodes"]]]
+        out_sets[name] = lens_set(lm, lens, band, eps, pr["n_control"])
+    return {"band": [band[0], band[-1]], "fit": fit | {"corpus": corpus_info.to_dict()},
+            "quality": quality, "sets": out_sets,
+            "seconds": {"fit": t_fit, "quality": t_q, "readout": time.time() - t0 - t_fit - t_q}}
+
+
+def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_control: int) -> dict[str, Any]:
+    """Ranks of the closed-book answer at the final input position, min over the band."""
+    eps = [e for e in eps if _first_tokens(lm, e["memory_span"])]
+    answers = [_first_tokens(lm, e["memory_span"]) for e in eps]
+    per: dict[str, dict[str, list]] = {r: {k: [] for k in ("rank", "best", "layers", "control", "control_layers")}
+                                       for r in L.READOUTS}
+    qids = [e["question_id"] for e in eps]
+    for i, e in enumerate(eps):
+        others = []
+        for j in list(range(i + 1, len(eps))) + list(range(i)):
+            if qids[j] != qids[i] and answers[j][0] not in others and answers[j][0] != answers[i][0]:
+                others.append(answers[j][0])
+            if len(others) >= n_control:
+                break
+        ids = lm.encode_prompt(e["prompt"])
+        rk = L.readout_ranks(lm, ids, lens, band, {"first": answers[i][:1], "all": answers[i], "control": others})
+        for r in L.READOUTS:
+            first = {l: rk[r]["first"][l][0] for l in band}
+            per[r]["layers"].append(first)
+            per[r]["rank"].append(min(first.values()))
+            per[r]["best"].append(min(min(rk[r]["all"][l]) for l in band))
+            for c in range(len(others)):
+                cl = {l: rk[r]["control"][l][c] for l in band}
+                per[r]["control"].append(min(cl.values()))
+                per[r]["control_layers"].append(cl)
+    split = [e["outcome"] for e in eps]
+    absent = [canon(e["memory_span"]) not in canon(e["prompt"]) for e in eps]
+    res: dict[str, Any] = {"n_episodes": len(eps), "n_both": split.count("both"), "n_neither": split.count("neither")}
+    for r in L.READOUTS:
+        d: dict[str, Any] = {}
+        for s in SPLITS:
+            idx = [i for i in range(len(eps)) if split[i] == s]
+            d[s] = _rank_stats([per[r]["rank"][i] for i in idx])
+        d["control"] = _rank_stats(per[r]["control"])
+        d["best_subtoken"] = {s: _rank_stats([per[r]["best"][i] for i in range(len(eps)) if split[i] == s])
+                              for s in SPLITS}
+        d["answer_not_in_prompt"] = {s: _rank_stats([per[r]["rank"][i] for i in range(len(eps))
+                                                     if split[i] == s and absent[i]]) for s in SPLITS}
+        pl: dict[str, dict[int, Any]] = {}
+        for s in SPLITS:
+            idx = [i for i in range(len(eps)) if split[i] == s]
+            pl[s] = {l: (statistics.median(per[r]["layers"][i][l] for i in idx) if idx else None) for l in band}
+        pl["control"] = {l: (statistics.median(c[l] for c in per[r]["control_layers"])
+                             if per[r]["control_layers"] else None) for l in band}
+        d["per_layer"] = pl
+        res[r] = d
+    return res
+
+
+# -- the SAE -------------------------------------------------------------------------------------
+def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run_dir: Path,
+            docs_fit: list[str], corpus_info: C.CorpusInfo, evaluation: dict) -> dict[str, Any]:
+    t0 = time.time()
+    timing: dict[str, float] = {}
+    mine, edit, split_info = M.split_folds(rows, questions, pr["mine_fold"])
+    mine_q = sorted({r["question_id"] for r in mine})
+    # training prompts: mining-fold episodes of every condition would leak nothing into the edit set;
+    # use mining-fold tool-wrong prompts (the run's own prompts) + generic documents
+    train_eps = [r for r in mine][: pr["sae_prompts"]]
+    held_eps = [r for r in mine][pr["sae_prompts"]: pr["sae_prompts"] + pr["sae_heldout_prompts"]]
+    if len(held_eps) < 1:
+        raise ProbeError(f"{lm.name}: too few mining-fold tool-wrong episodes ({len(mine)}) for the SAE's "
+                         "held-out set; lower probes.sae_prompts")
+    seq_train = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in train_eps]
+    seq_train += [lm.encode_text(d, pr["sae_max_seq_len"]) for d in docs_fit[: pr["sae_corpus_texts"]]]
+    seq_held = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in held_eps]
+    layers = _for_model(pr["sae_layers"], lm.name, lm.spec.label)
+    band = band_of(pr, lm)
+    layers = [int(l) for l in (layers or [band[len(band) // 2]])]
+    files = _for_model(pr["sae_files"], lm.name, lm.spec.label) or {}
+    out_layers: dict[str, Any] = {}
+    saes: dict[int, tuple[S.TopKSAE, str]] = {}
+    for l in layers:
+        t1 = time.time()
+        acts = torch.cat(S.layer_acts(lm, seq_train, l))
+        held = torch.cat(S.layer_acts(lm, seq_held, l))
+        timing[f"sae_layer{l}_activations"] = time.time() - t1
+        given = files.get(l, files.get(str(l)))
+        if given:
+            sae, cfg = S.load_sae(Path(given))
+            info = {"source": "given", "file": str(given)}
+        else:
+            sae, info = S.train_topk(acts, pr["sae_expansion"] * lm.d_model, pr["sae_k"], pr["sae_steps"],
+                                     pr["sae_batch"], pr["sae_lr"], seed=int(P.get("seed", 0)) + l)
+            d = run_dir / "probes" / lm.spec.label / "sae" / f"layer{l}"
+            S.save_sae(sae, d, model_name=lm.name, layer=l,
+                       extra={"corpus": corpus_info.to_dict(), "train": info})
+            info = info | {"source": "trained here", "file": str(d)}
+        timing[f"sae_layer{l}_train"] = time.time() - t1 - timing[f"sae_layer{l}_activations"]
+        m = S.metrics(sae, held)
+        m["passes_gate"] = bool(m["fvu"] < pr["fvu_gate"])
+        m_train = S.metrics(sae, acts)
+        out_layers[str(l)] = {**m, "fvu_train": m_train["fvu"], "dead_fraction_train": m_train["dead_fraction"],
+                              "spliced_loss": S.spliced_loss(lm, seq_held, l, sae), "gate": pr["fvu_gate"],
+                              "n_train_tokens": int(acts.shape[0]), **info}
+        saes[l] = (sae, ST.sae_sha256(sae))
+        timing[f"sae_layer{l}_total"] = time.time() - t1
+    res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q)}
+    passing = [l for l in layers if out_layers[str(l)]["passes_gate"]]
+    bar = ST.prompting_bar(evaluation, lm.name)
+    res["steer"] = {"bar": bar}
+    if not passing:
+        res["steer"]["skipped"] = f"no dictionary passes the FVU gate (< {pr['fvu_gate']}); no edit is run"
+        res["timing"] = timing
+        return res
+    mining = mine_and_steer(lm, pr, P, mine, edit, passing, saes, run_dir, bar["bar"], res["steer"], questions,
+                            timing)
+    res["mining"] = mining
+    res["timing"] = timing
+    return res
+
+
+def _labelled(rows: list[dict], n: int) -> list[dict]:
+    out = []
+    for lab in (M.MEMORY, M.TOOL):
+        out += [r for r in rows if r["outcome"] == lab][:n]
+    return out
+
+
+def mine_and_steer(lm: LoadedModel, pr: dict, P: dict, mine: list[dict], edit: list[dict], layers: list[int],
+                   saes: dict, run_dir: Path, bar: Optional[float], steer_out: dict, questions, timing: dict) -> dict[str, Any]:
+    """Mine features on the mining fold (half for MI, half for the held-out cross-check), then run
+    the edits on the other fold's episodes."""
+    qs = sorted({r["question_id"] for r in mine})
+    half = set(qs[0::2])
+    mi_rows = _labelled([r for r in mine if r["question_id"] in half], pr["mine_per_label"])
+    ho_rows = _labelled([r for r in mine if r["question_id"] not in half], pr["mine_per_label"])
+    out: dict[str, Any] = {"n_mi": len(mi_rows), "n_heldout": len(ho_rows),
+                           "n_mi_by_label": {lab: sum(r["outcome"] == lab for r in mi_rows) for lab in (M.MEMORY, M.TOOL)}}
+    matcher = P.get("matcher", "paper")
+    forms = set(pr["steer_formulations"])
+    cand = [r for r in edit if r["formulation"] in forms]
+    sel = {"to_memory": [r for r in cand if r["outcome"] == M.TOOL][: pr["steer_per_direction"]],
+           "to_tool": [r for r in cand if r["outcome"] == M.MEMORY][: pr["steer_per_direction"]]}
+    M.assert_disjoint(mi_rows + ho_rows, sel["to_memory"] + sel["to_tool"], questions)
+    for l in layers:
+        t0 = time.time()
+        sae, sha = saes[l]
+        z = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in mi_rows], l, "last")))
+        zh = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in ho_rows], l, "last"))) \
+            if ho_rows else torch.zeros(0, sae.d_sae)
+        feats = M.mine_features(z, [r["outcome"] for r in mi_rows], zh, [r["outcome"] for r in ho_rows],
+                                pr["top_features"])
+        out[str(l)] = {"features": M.feature_table(feats),
+                       "heldout_agreement": {s: [f.agrees for f in feats[s]] for s in feats}}
+        timing[f"mining_layer{l}"] = time.time() - t0
+        if not feats[M.MEMORY] and not feats[M.TOOL]:
+            steer_out[str(l)] = {"skipped": "no feature separates the labels on the mining episodes"}
+            continue
+        t0 = time.time()
+        steer_out[str(l)] = steer_layer(lm, pr, P, l, sae, sha, feats, sel, run_dir, matcher, bar)
+        timing[f"steering_layer{l}"] = time.time() - t0
+    out["edit_episodes"] = {d: [r["episode_id"] for r in v] for d, v in sel.items()}
+    return out
+
+
+def steer_layer(lm, pr, P, l, sae, sha, feats, sel, run_dir, matcher, bar) -> dict[str, Any]:
+    cache = run_dir / "probes" / lm.spec.label / "steer" / "replies.jsonl"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    mnt = int(P.get("max_new_tokens", 48))
+    res: dict[str, Any] = {}
+    for d in pr["directions"]:
+        eps = sel[d]
+        if not eps:
+            res[d] = {"skipped": f"no edit-fold episode with the baseline label for {d}"}
+            continue
+        add_side, rem_side = (M.MEMORY, M.TOOL) if d == "to_memory" else (M.TOOL, M.MEMORY)
+        prompts = [e["prompt"] for e in eps]
+        spans = {e["prompt"]: json.dumps(e["tool_output"], ensure_ascii=False) for e in eps}
+        res[d] = {"n": len(eps)}
+        add = tuple(f.index for f in feats[add_side])
+        add_v = tuple(f.mean_act for f in feats[add_side])
+        rem = tuple(f.index for f in feats[rem_side])
+
+        def replies_at(pos: str, s: float):
+            gen = ST.SteeredGenerator(lm, sae, sha, ST.Edit(l, d, pos, float(s), add, add_v, rem), spans,
+                                      max_new_tokens=mnt)
+            return gen.generate(prompts, cache_path=cache, desc=f"{lm.spec.label}: steer {d} {pos} x{s}")
+
+        base = replies_at("last", 0)      # strength 0: the unedited baseline (one per direction)
+        base_scores = [ST.score(r.text, e, matcher) for r, e in zip(base, eps)]
+        res[d]["baseline"] = {"n": len(eps), "matches_run_replies": sum(r.text == e.get("response")
+                                                                         for r, e in zip(base, eps)),
+                              "on_target": sum(ST.on_target(x, d) for x in base_scores),
+                              "degeneration": sum(x["degeneration"]["any"] for x in base_scores)}
+        for pos in pr["positions"]:
+            res[d][pos] = {}
+            for s in pr["strengths"]:
+                scores = [ST.score(r.text, e, matcher) for r, e in zip(replies_at(pos, s), eps)]
+                res[d][pos][str(s)] = ST.cell(d, base_scores, scores, bar)
+    return res
+
+
+# -- the stage -----------------------------------------------------------------------------------
+def run(P: dict[str, Any]) -> dict[str, Any]:
+    pr = probes_params(P)
+    run_dir = Path(P["run_dir"])
+    docs, cinfo = C.load_corpus(pr["corpus"])
+    docs_fit, docs_held = C.split_corpus(docs, max(pr["lens_fit_prompts"], pr["sae_corpus_texts"]), pr["heldout_texts"])
+    bench = load_benchmark(P.get("release_dir"))
+    ev_path = run_dir / "summaries" / "evaluation.json"
+    evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
+    summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"),
+                               "corpus": cinfo.to_dict(), "caveat": CAVEAT.format(corpus=cinfo.name),
+                               "config": pr, "models": {}, "published": published(P.get("release_dir"))}
+    for name in P["models"]:
+        t0 = time.time()
+        lm = load_model(name, P.get("model_cache_dir"))
+        t_load = time.time() - t0
+        rows = read_scored(run_dir, lm.spec.label, sorted(set(pr["lens_formulations"]) | set(pr["steer_formulations"])))
+        lens_rows = [r for r in rows if r["formulation"] in pr["lens_formulations"]]
+        lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr["lens_fit_prompts"]], docs_held, cinfo)
+        t1 = time.time()
+        sae = run_sae(lm, pr, P, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation)
+        summary["models"][name] = {
+            "label": lm.spec.label, "chat": lm.spec.chat, "n_layers": lm.n_layers, "d_model": lm.d_model,
+            "lens": lz["sets"], "lens_quality": lz["quality"], "lens_fit": {"band": lz["band"], **lz["fit"]},
+            "sae": sae,
+            "timing": {"load": t_load, **{f"lens_{k}": v for k, v in lz["seconds"].items()},
+                       "sae_total": time.time() - t1, "total": time.time() - t0}}
+        del lm
+    write_json(run_dir / "summaries" / "probes.json", summary)
+    return summary
+
+
+def published(release_dir=None) -> dict[str, Any]:
+    """The paper's Table 8 and App. C blocks of the release's published_probes_agent_transfer.json."""
+    try:
+        p = resolve_release_dir(release_dir) / "published_probes_agent_transfer.json"
+        d = json.loads(p.read_text())
+    except (MemtocError, OSError, ValueError):
+        return {}
+    return {k: d[k] for k in d if k.startswith("lens") or k.startswith("sae")}

@@ -1,0 +1,187 @@
+"""A TopK sparse autoencoder on residual-stream activations: trainer, metrics, the FVU gate, and
+files in sae-lens's on-disk format (``cfg.json`` + ``sae_weights.safetensors``, architecture
+``topk``), so ``sae_lens.SAE.load_from_disk(dir)`` reads them on a machine that has sae-lens.
+
+    encode(x) = TopK_k(ReLU((x - b_dec) W_enc + b_enc)),   decode(z) = z W_dec + b_dec
+
+Metrics: FVU = sum ||x - x_hat||^2 / sum ||x - mean(x)||^2 (0 for a perfect reconstruction, 1 for
+predicting the mean), L0 (mean active latents per token), dead latents (never active on the
+evaluation tokens), and the spliced loss: the model's next-token loss with the layer's residual
+stream replaced by its reconstruction, minus the clean loss. The paper's gate: full-sequence
+FVU < 0.5 on the run's own episodes' activations.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import MemtocError
+from .hfmodel import LoadedModel, decoder_layers, layer_hooks
+
+WEIGHTS_FILE = "sae_weights.safetensors"
+CFG_FILE = "cfg.json"
+FVU_GATE = 0.5
+
+
+class SAEError(MemtocError):
+    """A dictionary that cannot be read or does not fit the model."""
+
+
+class TopKSAE(torch.nn.Module):
+    def __init__(self, d_in: int, d_sae: int, k: int):
+        super().__init__()
+        self.d_in, self.d_sae, self.k = d_in, d_sae, k
+        self.W_enc = torch.nn.Parameter(torch.zeros(d_in, d_sae))
+        self.b_enc = torch.nn.Parameter(torch.zeros(d_sae))
+        self.W_dec = torch.nn.Parameter(torch.zeros(d_sae, d_in))
+        self.b_dec = torch.nn.Parameter(torch.zeros(d_in))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        pre = torch.relu((x - self.b_dec) @ self.W_enc + self.b_enc)
+        top = pre.topk(self.k, dim=-1)
+        return torch.zeros_like(pre).scatter(-1, top.indices, top.values)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.W_dec + self.b_dec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))
+
+
+def fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Fraction of variance unexplained over all rows of ``x`` (n, d)."""
+    x, x_hat = x.double(), x_hat.double()
+    den = ((x - x.mean(0, keepdim=True)) ** 2).sum()
+    return float(((x - x_hat) ** 2).sum() / den) if den > 0 else float("nan")
+
+
+def train_topk(acts: torch.Tensor, d_sae: int, k: int, steps: int = 1000, batch: int = 256,
+               lr: float = 1e-3, seed: int = 0) -> tuple[TopKSAE, dict[str, Any]]:
+    """Train a TopK SAE on ``acts`` (n, d): Adam on the reconstruction MSE, decoder rows kept at
+    unit norm, b_dec initialised at the mean, encoder = decoder transpose at init."""
+    g = torch.Generator().manual_seed(seed)
+    n, d = acts.shape
+    sae = TopKSAE(d, d_sae, k)
+    with torch.no_grad():
+        W = torch.randn(d_sae, d, generator=g)
+        W /= W.norm(dim=1, keepdim=True)
+        sae.W_dec.copy_(W)
+        sae.W_enc.copy_(W.T)
+        sae.b_dec.copy_(acts.mean(0))
+    opt = torch.optim.Adam(sae.parameters(), lr=lr)
+    losses = []
+    with torch.enable_grad():
+        for step in range(steps):
+            idx = torch.randint(0, n, (min(batch, n),), generator=g)
+            x = acts[idx]
+            loss = ((sae(x) - x) ** 2).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                sae.W_dec /= sae.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-8)
+            losses.append(float(loss.detach()))
+    sae.eval()
+    for p in sae.parameters():
+        p.requires_grad_(False)
+    return sae, {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "n_train_tokens": n,
+                 "final_loss": losses[-1] if losses else None}
+
+
+def metrics(sae: TopKSAE, acts: torch.Tensor) -> dict[str, Any]:
+    """FVU, L0 and dead latents on ``acts`` (n, d)."""
+    with torch.no_grad():
+        z = sae.encode(acts)
+        rec = sae.decode(z)
+    active = (z > 0)
+    return {"fvu": fvu(acts, rec), "l0": float(active.sum(-1).float().mean()),
+            "dead_fraction": float((~active.any(0)).float().mean()), "n_tokens": int(acts.shape[0]),
+            "passes_gate": bool(fvu(acts, rec) < FVU_GATE)}
+
+
+def spliced_loss(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, sae: TopKSAE) -> dict[str, Any]:
+    """Mean next-token cross-entropy over ``seqs`` clean and with layer ``layer``'s residual stream
+    replaced by the SAE reconstruction at every position; ``increase`` = spliced - clean."""
+    tot = {"clean": 0.0, "spliced": 0.0}
+    n = 0
+    for ids in seqs:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            clean = lm.model(input_ids=x, labels=x).loss
+            with layer_hooks(lm.model, {layer: lambda h: sae(h)}):
+                spl = lm.model(input_ids=x, labels=x).loss
+        m = len(ids) - 1
+        tot["clean"] += float(clean) * m
+        tot["spliced"] += float(spl) * m
+        n += m
+    c, s = tot["clean"] / n, tot["spliced"] / n
+    return {"clean": c, "spliced": s, "increase": s - c, "n_tokens": n}
+
+
+def save_sae(sae: TopKSAE, path: Path, *, model_name: str, layer: int, extra: Optional[dict] = None) -> Path:
+    """sae-lens layout: ``cfg.json`` (TopKSAEConfig fields, architecture ``topk``, metadata with the
+    transformer-lens hook name) + ``sae_weights.safetensors`` (W_enc, b_enc, W_dec, b_dec)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().float() for k, v in sae.state_dict().items()}, str(path / WEIGHTS_FILE))
+    cfg = {"d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k, "dtype": "float32", "device": "cpu",
+           "apply_b_dec_to_input": True, "normalize_activations": "none", "reshape_activations": "none",
+           "rescale_acts_by_decoder_norm": False, "architecture": "topk",
+           "metadata": {"model_name": model_name, "hook_name": f"blocks.{layer}.hook_resid_post",
+                        "hook_head_index": None, "prepend_bos": True, "context_size": None,
+                        "dataset_path": None, "model_from_pretrained_kwargs": {},
+                        "sae_lens_training_version": None, "memtoc": extra or {}}}
+    (path / CFG_FILE).write_text(json.dumps(cfg, indent=1, default=str))
+    return path
+
+
+def load_sae(path: Path) -> tuple[TopKSAE, dict[str, Any]]:
+    """A TopK dictionary in sae-lens's layout (ours or a pretrained release's local copy)."""
+    path = Path(path)
+    if not (path / CFG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise SAEError(f"{path}: expected {CFG_FILE} and {WEIGHTS_FILE} (sae-lens's on-disk layout)")
+    cfg = json.loads((path / CFG_FILE).read_text())
+    if cfg.get("architecture") not in ("topk", "batchtopk"):
+        raise SAEError(f"{path}/{CFG_FILE}: architecture {cfg.get('architecture')!r}; memtoc's CPU path reads "
+                       "topk dictionaries only (other architectures: use sae-lens on a GPU machine)")
+    w = load_file(str(path / WEIGHTS_FILE))
+    sae = TopKSAE(int(cfg["d_in"]), int(cfg["d_sae"]), int(cfg["k"]))
+    sae.load_state_dict({k: w[k].float() for k in ("W_enc", "b_enc", "W_dec", "b_dec")})
+    sae.eval()
+    for p in sae.parameters():
+        p.requires_grad_(False)
+    return sae, cfg
+
+
+def layer_acts(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, positions: str = "all"
+               ) -> list[torch.Tensor]:
+    """Layer ``layer``'s residual stream per sequence ((T, d) each; ``positions='last'``: (1, d)),
+    the forward pass stopped after that layer."""
+    out = []
+    blk = decoder_layers(lm.model)[layer]
+    for ids in seqs:
+        got = {}
+
+        def hook(module, args, output):
+            got["h"] = (output[0] if isinstance(output, tuple) else output)[0].detach()
+            raise _Halt
+
+        h = blk.register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                lm.model.model(input_ids=torch.tensor([ids]))
+        except _Halt:
+            pass
+        finally:
+            h.remove()
+        out.append(got["h"][-1:] if positions == "last" else got["h"])
+    return out
+
+
+class _Halt(Exception):
+    pass
