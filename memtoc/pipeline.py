@@ -56,6 +56,7 @@ from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
 from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release_dir, run_dir
+from .probes.core import probes_params
 from .transfer import transfer_params
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -156,6 +157,7 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
     steps: list[Step] = []
     finetune_on = bool((params.get("finetune") or {}).get("enabled", True))
     transfer_on = bool((params.get("transfer") or {}).get("enabled", True))
+    probes_on = bool((params.get("probes") or {}).get("enabled", True))
     for n in numbers:
         if wanted is not None and n not in wanted:
             continue
@@ -166,6 +168,8 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
             steps.append(Step(n, p.stem, p, False, "finetune.enabled is false"))
         elif n == "06" and not transfer_on:
             steps.append(Step(n, p.stem, p, False, "transfer.enabled is false"))
+        elif n == "05" and not probes_on:
+            steps.append(Step(n, p.stem, p, False, "probes.enabled is false"))
         else:
             steps.append(Step(n, p.stem, p, True))
     return steps
@@ -271,6 +275,7 @@ def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>
             raise ConfigError(f"{source}: field 'judge.model': {e}") from None
     ft = finetune.finetune_params(params, source)
     transfer_params(params, source)   # the transfer block (06), checked before 01 starts
+    probes_params(params, source)     # the probes block (05)
     bench = load_benchmark(params.get("release_dir"))
     n = len(bench.analysis)
     for field in ("n_questions", "n_questions_extra"):

@@ -259,3 +259,15 @@ def test_lens_set_on_tiny_model():
 def test_published_blocks():
     pub = core.published()
     assert "lens_table8" in pub and "sae_appendix_c" in pub
+
+
+def test_pipeline_skips_05_when_probes_disabled(tmp_path):
+    from memtoc import pipeline
+    from memtoc.config import load_params
+    d = tmp_path / "nb"
+    d.mkdir()
+    (d / "05_probes.ipynb").write_text("{}")
+    P = load_params(None, overrides={"probes": {"enabled": False}})
+    s5 = next(s for s in pipeline.plan(P, None, d) if s.number == "05")
+    assert not s5.run and "probes.enabled" in s5.reason
+    assert next(s for s in pipeline.plan(load_params(None), None, d) if s.number == "05").run

@@ -70,6 +70,8 @@ PR_DEFAULTS: dict[str, Any] = {
     # SAE
     "sae_layers": {},               # {model: [layers]}; default: the band's middle layer
     "sae_files": {},                # {model: {layer: dir}} pretrained dictionaries in sae-lens's layout
+    "dictionaries": {},             # {model: {release, sae_id, layer}} the paper's public dictionaries (recorded;
+                                    # used when a local topk copy is named in sae_files, else one is trained)
     "sae_expansion": 4,
     "sae_k": 16,
     "sae_steps": 300,
@@ -298,7 +300,12 @@ def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run
                               "n_train_tokens": int(acts.shape[0]), **info}
         saes[l] = (sae, ST.sae_sha256(sae))
         timing[f"sae_layer{l}_total"] = time.time() - t1
-    res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q)}
+    named = _for_model(pr["dictionaries"], lm.name, lm.spec.label)
+    res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q),
+                           "dictionary": {"paper": named, "used": {l: out_layers[str(l)]["source"] for l in layers},
+                                          "note": ("memtoc reads local topk dictionaries in sae-lens's layout "
+                                                   "(probes.sae_files); a named sae-lens release must be exported "
+                                                   "there first (sae-lens is not a memtoc dependency)")}}
     passing = [l for l in layers if out_layers[str(l)]["passes_gate"]]
     bar = ST.prompting_bar(evaluation, lm.name)
     res["steer"] = {"bar": bar}
