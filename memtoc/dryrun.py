@@ -33,9 +33,10 @@ import math
 from typing import Any, Optional
 
 from . import finetune, models
-from .config import FORMULATIONS, ConfigError
+from .config import ConfigError
 from .episodes import run_episodes
 from .pipeline import plan, preflight, resolve_paths
+from .runconfig import RunConfig
 from .transfer import core as transfer
 from .transfer.data import load_items
 
@@ -96,7 +97,7 @@ def finetune_requests(P: dict[str, Any], ft: dict[str, Any], bench) -> dict[str,
     with-tool evaluation requests (untreated + every adapter on its held-out fold) and the adapters'
     own forced closed-book requests (held-out questions x formulations, per objective)."""
     plans, examples = finetune.plan(P, bench)
-    n_forms = len(P.get("formulations") or FORMULATIONS)
+    n_forms = len(RunConfig.of(P).formulations)
     n_obj = len(ft["objectives"])
     n_held = sum(len(p.eval_questions) for p in plans)
     with_tool = n_held * len(ft["eval_conditions"]) * n_forms
@@ -119,8 +120,9 @@ def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapter
     out = {"episodes": episodes, "forward_arms": arms, "forward": episodes * (1 + arms),
            "reverse_with_tool": 0, "reverse_closed_book": 0, "reverse_examples": 0, "reverse_steps": 0}
     if tr["reverse"]:
-        n_forms = len(P.get("formulations") or FORMULATIONS)
-        n_q = min(tr["reverse_eval_questions"], P["n_questions"])
+        cfg = RunConfig.of(P)
+        n_forms = len(cfg.formulations)
+        n_q = min(tr["reverse_eval_questions"], cfg.n_questions)
         n_ex = len(transfer.reverse_examples(cf, tr["reverse_train_formulations"], tr["frames"]))
         steps = tr["reverse_max_steps"]
         out.update(reverse_with_tool=2 * n_q * n_forms * len(ft["eval_conditions"]),

@@ -205,6 +205,7 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     ``seed`` -> ``P["seed"]``). Errors name the field (``finetune.<key>``) and the fix.
     """
     f = section_params(P, "finetune", FT_DEFAULTS, source, see="params/finetune.yaml")
+    cfg = RunConfig.of(P, source)
 
     def fail(key: str, msg: str) -> None:
         raise ConfigError(f"{source}: field 'finetune.{key}': {msg}")
@@ -217,7 +218,7 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
 
     if not isinstance(f["enabled"], bool):
         fail("enabled", f"must be true or false, got {f['enabled']!r}")
-    run_models = list(P.get("models") or [])
+    run_models = list(cfg.models)
     if f["models"] is None:
         f["models"] = [m for m in run_models if _is_chat(m)]
     if isinstance(f["models"], str):
@@ -238,7 +239,7 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     f["folds"] = sorted(set(f["folds"]))
     forms = f["train_formulations"]
     if forms is None:
-        forms = list(P.get("formulations") or FORMULATIONS)
+        forms = list(cfg.formulations)
     chosen = ordered_subset(forms, FORMULATIONS)
     if chosen is None:
         fail("train_formulations", f"must be null or a non-empty list drawn from {list(FORMULATIONS)}, got {forms!r}")
@@ -282,7 +283,7 @@ def finetune_params(P: dict[str, Any], source: str = "<params>") -> dict[str, An
     if f["train_dtype"] not in ("bfloat16", "float32"):
         fail("train_dtype", f"must be bfloat16 or float32, got {f['train_dtype']!r}")
     if f["seed"] is None:
-        f["seed"] = P.get("seed", PAPER_SEED)
+        f["seed"] = cfg.seed
     if not is_int(f["seed"]) or f["seed"] < 0:
         fail("seed", f"must be null (the run's seed) or a non-negative integer, got {f['seed']!r}")
     if not isinstance(f["gradient_checkpointing"], bool):
@@ -919,7 +920,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     related = related_summary(bench.questions)
 
     summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "alpha": alpha, "n_boot": n_boot,
+        "schema_version": SCHEMA_VERSION, "run_name": cfg.run_name, "alpha": alpha, "n_boot": n_boot,
         "n_perm": n_perm, "matcher": matcher, "formulations": forms, "config": ft,
         "closed_book_variant": variant,
         "metrics": definitions(METRICS),
@@ -935,7 +936,7 @@ def run(P: dict[str, Any], progress: bool = True, force_train: bool = False) -> 
     }
     for model in ft["models"]:
         spec = models.get_model(model)
-        base = models.prepare_model(model, cache_dir=P.get("model_cache_dir"))
+        base = models.prepare_model(model, cache_dir=cfg.model_cache_dir)
         label = model
         msum: dict[str, Any] = {"base": str(base), "folds": {}, "adapters": {}, "objectives": {}}
         for p in plans:
