@@ -208,7 +208,7 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
     else:
         cfg = LlamaConfig(**LLAMA_8B)
-    ft = finetune.finetune_params({"seed": 0, "formulations": ["f"], "finetune": {"max_steps": steps}})
+    ft = finetune.finetune_params({"seed": 0, "formulations": ["reference"], "finetune": {"max_steps": steps}})
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
     cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     cfg._attn_implementation = models.attention_implementation(cfg, "auto", device, training=True)
