@@ -312,31 +312,3 @@ def episode_counts(episodes: Sequence[Episode]) -> pd.DataFrame:
                       aggfunc="count", fill_value=0)
     t["questions"] = d.groupby(["condition", "arm", "frame", "payload"])["qkey"].nunique()
     return t
-
-
-# --------------------------------------------------------------------------------------------------
-# Names that moved out of this module (issue 11): resolved on first use so that code written against
-# the old layout keeps working during the transition. Remove once `grep -rn "evaluation\.<name>"` is empty.
-_MOVED = {"analyses": ("interval_obj", "rate_intervals", "contrast", "apply_holm", "select_arm", "headline_metrics",
-                       "cell_counts", "source_matrix", "arm_comparison", "add_reference_contrasts", "add_success",
-                       "frames_comparison", "far_comparison", "payload_comparison", "noop_comparison",
-                       "point_metrics", "matcher_sensitivity", "model_summary", "EVALUATION_FAMILIES",
-                       "apply_families", "apply_finetune_families", "ranking_section", "base_models",
-                       "final_line_compliance", "closed_book_agreement", "closed_book_section",
-                       "cross_model_section", "evaluation_summary", "write_summary", "SCHEMA_VERSION"),
-          "tables": ("headline_table", "arms_table", "contrast_table", "success_table", "format_table",
-                     "matcher_table", "ranking_table"),
-          "metrics": ("metric_units", "paired_units"),
-          "io": ("plain",),
-          "vocab": ("HEADLINE_METRICS", "SECONDARY_METRICS", "CELLS", "FOUR_CELLS", "PROMPTING_ARMS",
-                    "REFERENCE_FORMULATION")}
-
-
-def __getattr__(name: str):
-    import importlib
-    for module, names in _MOVED.items():
-        if name in names:
-            return getattr(importlib.import_module(f"memtoc.{module}"), name)
-    if name == "METRIC_DOC":
-        return importlib.import_module("memtoc.metrics").definitions()
-    raise AttributeError(f"module 'memtoc.evaluation' has no attribute {name!r}")
