@@ -271,3 +271,11 @@ def test_pipeline_skips_05_when_probes_disabled(tmp_path):
     s5 = next(s for s in pipeline.plan(P, None, d) if s.number == "05")
     assert not s5.run and "probes.enabled" in s5.reason
     assert next(s for s in pipeline.plan(load_params(None), None, d) if s.number == "05").run
+
+
+def test_run_sae_skips_with_too_few_mining_episodes(tmp_path):
+    rows = [{"question_id": "1.1", "instance_id": 1, "fold": 0, "prompt": "p", "outcome": "kept_memory"},
+            {"question_id": "2.1", "instance_id": 2, "fold": 1, "prompt": "q", "outcome": "followed_tool"}]
+    _, info = corpus.load_corpus()
+    res = core.run_sae(tiny_lm(), core.probes_params({}), {}, rows, [], tmp_path, ["text " * 50], info, {})
+    assert res["layers"] == {} and "too few mining-fold" in res["steer"]["skipped"]

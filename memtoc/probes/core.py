@@ -50,22 +50,23 @@ SETS = ("arbitration", "own_answer")
 SPLITS = ("followed_tool", "kept_memory")
 TOP = 20
 
-#: Every key of the ``probes`` parameter block with its default (params/probes.yaml: full sizes).
+#: Every key of the ``probes`` parameter block with its default: the default run's small slice
+#: (params/default.yaml: measured cost; params/probes.yaml: the documented full sizes).
 PR_DEFAULTS: dict[str, Any] = {
     "enabled": True,
     "corpus": C.BUILTIN,            # builtin (pydoc_data.topics) or a UTF-8 text file
     # Jacobian lens
     "bands": {},                    # {model: [lo, hi]} inclusive source layers; default: the top default_band_layers
-    "default_band_layers": 5,
+    "default_band_layers": 4,
     "lens_files": {},               # {model: lens.pt} a published or earlier lens (reference layout); else fitted
-    "lens_fit_prompts": 2,          # fit-corpus documents (exact estimator; see params/probes.yaml for the cost)
-    "lens_max_seq_len": 32,
+    "lens_fit_prompts": 1,          # fit-corpus documents (exact estimator; see params/probes.yaml for the cost)
+    "lens_max_seq_len": 24,
     "lens_skip_first": 4,           # transformer-lens's default is 16 with 128-token prompts
     "lens_dim_batch": 128,
     "heldout_texts": 2,             # lens quality and spliced loss: held-out corpus documents
-    "heldout_max_seq_len": 48,
+    "heldout_max_seq_len": 32,
     "lens_formulations": ["reference"],
-    "lens_max_episodes": 40,        # per set and split (the paper: all of its arbitration episodes)
+    "lens_max_episodes": 6,         # per set and split (the paper: all of its arbitration episodes)
     "n_control": 5,                 # other questions' answers per prompt
     # SAE
     "sae_layers": {},               # {model: [layers]}; default: the band's middle layer
@@ -74,20 +75,20 @@ PR_DEFAULTS: dict[str, Any] = {
                                     # used when a local topk copy is named in sae_files, else one is trained)
     "sae_expansion": 4,
     "sae_k": 16,
-    "sae_steps": 300,
+    "sae_steps": 150,
     "sae_batch": 256,
     "sae_lr": 1.0e-3,
-    "sae_prompts": 16,              # run episode prompts (full sequences) for training
-    "sae_corpus_texts": 4,          # plus generic documents
+    "sae_prompts": 8,               # run episode prompts (full sequences) for training
+    "sae_corpus_texts": 2,          # plus generic documents
     "sae_max_seq_len": 128,
-    "sae_heldout_prompts": 4,       # held-out episode prompts: FVU gate, spliced loss
+    "sae_heldout_prompts": 3,       # held-out episode prompts: FVU gate, spliced loss
     "fvu_gate": S.FVU_GATE,
     # mining and steering
     "mine_fold": 0,
-    "mine_per_label": 16,           # mining episodes per label (kept memory / followed tool)
+    "mine_per_label": 6,            # mining episodes per label (kept memory / followed tool)
     "top_features": 8,
-    "steer_per_direction": 4,       # the paper: 40 per direction
-    "strengths": [4, 12],           # the paper: 1-12
+    "steer_per_direction": 2,       # the paper: 40 per direction
+    "strengths": [12],              # the paper: 1-12
     "directions": list(ST.DIRECTIONS),
     "positions": list(ST.POSITIONS),
     "steer_formulations": ["reference"],
@@ -259,13 +260,15 @@ def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run
     timing: dict[str, float] = {}
     mine, edit, split_info = M.split_folds(rows, questions, pr["mine_fold"])
     mine_q = sorted({r["question_id"] for r in mine})
-    # training prompts: mining-fold episodes of every condition would leak nothing into the edit set;
-    # use mining-fold tool-wrong prompts (the run's own prompts) + generic documents
-    train_eps = [r for r in mine][: pr["sae_prompts"]]
-    held_eps = [r for r in mine][pr["sae_prompts"]: pr["sae_prompts"] + pr["sae_heldout_prompts"]]
-    if len(held_eps) < 1:
-        raise ProbeError(f"{lm.name}: too few mining-fold tool-wrong episodes ({len(mine)}) for the SAE's "
-                         "held-out set; lower probes.sae_prompts")
+    # training prompts: the mining fold's own tool-wrong prompts (never the edit fold's) + generic documents;
+    # held out (FVU gate, spliced loss): the last mining-fold prompts, disjoint from the training ones
+    n_held = min(pr["sae_heldout_prompts"], len(mine) // 4) if len(mine) >= 2 else 0
+    if n_held < 1:
+        return {"layers": {}, "split": split_info, "mined_questions": len(mine_q), "timing": timing,
+                "steer": {"skipped": f"too few mining-fold tool-wrong episodes ({len(mine)}) for an SAE with a "
+                                     "held-out set; larger n_questions"}}
+    held_eps = mine[len(mine) - n_held:]
+    train_eps = mine[: min(pr["sae_prompts"], len(mine) - n_held)]
     seq_train = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in train_eps]
     seq_train += [lm.encode_text(d, pr["sae_max_seq_len"]) for d in docs_fit[: pr["sae_corpus_texts"]]]
     seq_held = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in held_eps]

@@ -154,7 +154,11 @@ class SteeredGenerator(Generator):
 
 
 def _past(out, ckw: str):
-    return out.past_key_values if getattr(out, "past_key_values", None) is not None else getattr(out, ckw)
+    for name in (ckw, "past_key_values"):
+        v = out.get(name) if hasattr(out, "get") else getattr(out, name, None)
+        if v is not None:
+            return v
+    raise RuntimeError("the model returned no KV cache")
 
 
 def _as_list(v) -> list:
