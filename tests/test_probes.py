@@ -279,3 +279,19 @@ def test_run_sae_skips_with_too_few_mining_episodes(tmp_path):
     _, info = corpus.load_corpus()
     res = core.run_sae(tiny_lm(), core.probes_params({}), {}, rows, [], tmp_path, ["text " * 50], info, {})
     assert res["layers"] == {} and "too few mining-fold" in res["steer"]["skipped"]
+
+
+def test_lens_estimator_on_a_tiny_gemma3_with_sliding_window():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+                           sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    model = Gemma3ForCausalLM(cfg).float()
+    model.config._attn_implementation = "eager"
+    lm = wrap_model(model, None)
+    ids = [2, 5, 7, 9, 3, 22, 11, 4, 8, 9]
+    J = L.jacobian_for_prompt(lm, ids, [1, 2], dim_batch=5, skip_first=2)
+    for l in (1, 2):
+        assert torch.allclose(J[l], L.brute_force_jacobian(lm, ids, l, skip_first=2), atol=1e-5)
+    assert torch.allclose(L.jacobian_for_prompt(lm, ids, [0, 2], 16, 2)[2], J[2], atol=1e-6)
