@@ -92,6 +92,7 @@ def plot_lens(summary: dict[str, Any], path: Path, set_name: str = "own_answer")
                 if xs:
                     ax.plot(xs, ys, ls, color=col, marker="o", ms=3, label=f"{sp} ({r})")
         ax.set_yscale("log")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("source layer")
         ax.set_ylabel("median rank of the closed-book answer")
         ax.set_title(f"{model}: {set_name} (n={sd['n_episodes']})", fontsize=9)
@@ -113,7 +114,7 @@ def plot_steering(summary: dict[str, Any], path: Path) -> Path:
                     label=f"{d} @ {pos} (L{l})")
         bar = summary["models"][model]["sae"].get("steer", {}).get("bar", {}).get("bar")
         if bar is not None:
-            ax.axhline(bar, color="gray", ls=":", label="stopping bar (1/2 prompting effect)")
+            ax.axhline(bar, color="gray", ls=":", label="stopping bar: 1/2 prompting effect (on the change toward the target)")
         ax.set_xlabel("strength")
         ax.set_ylabel("flip rate")
         ax.set_ylim(-0.02, 1.02)

@@ -245,7 +245,8 @@ def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = ("
             deltas[a] = d
     if not deltas:
         return {"bar": None, "effect": None, "arm": None, "deltas": {},
-                "note": "no prompting arm in notebook 03's summary (extra_arms without 'prompting')"}
+                "note": f"no prompting contrast for {model} in notebook 03's summary (extra_arms without 'prompting'?): "
+                        "no stopping bar"}
     arm = min(deltas, key=lambda a: deltas[a])
     effect = abs(deltas[arm])
     return {"bar": effect / 2, "effect": effect, "arm": arm, "deltas": deltas,
