@@ -96,7 +96,8 @@ def plot_lens(summary: dict[str, Any], path: Path, set_name: str = "own_answer")
         ax.set_xlabel("source layer")
         ax.set_ylabel("median rank of the closed-book answer")
         ax.set_title(f"{model}: {set_name} (n={sd['n_episodes']})", fontsize=9)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.suptitle("Jacobian lens (solid) vs logit lens (dashed); tiny model, offline fit corpus", fontsize=9)
     return save(fig, path)
 
@@ -119,5 +120,6 @@ def plot_steering(summary: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("flip rate")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(model if len(sub) else f"{model}: no steering cell", fontsize=9)
-        ax.legend(fontsize=6)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     return save(fig, path)
