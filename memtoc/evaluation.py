@@ -18,7 +18,6 @@ Files written by :func:`evaluate`::
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
@@ -26,11 +25,9 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from . import cache as _cache
 from . import elicitation, metrics, scoring
-from .backends.base import Reply
 from .config import DataError, MemtocError
-from .io import sha256_text, write_jsonl
+from .io import write_jsonl
 from .records import Episode, arm_key
 from .runconfig import RunConfig
 from .vocab import FORMULATIONS
@@ -135,75 +132,23 @@ def score_episodes(episodes: Sequence[Episode] | pd.DataFrame, responses: Sequen
     return pd.DataFrame(out)
 
 
-def generate_replies(generator, model_label: str, episodes: Sequence[Episode], run_dir,
-                     chunk: int = 256) -> list[Any]:
-    """Replies for every episode (same order), through the cache.
-
-    Cached replies are looked up by key in every cache file of the model's folder (so no_tool
-    episodes are served by the elicitation's closed-book file). All pending prompts of the model,
-    whatever their arm, are generated together, longest first, in chunks of ``chunk`` prompts (so
-    length-sorted batching works across arms); after each chunk every reply is appended to the
-    cache file of its own arm (``generations/<model>/<cache_stem>.jsonl``), so an interrupted run
-    loses at most one chunk. Generators without ``key()`` (no cache keys) fall back to one
-    ``generate`` call per cache file.
-    """
+def generate_replies(generator, model_label: str, episodes: Sequence[Episode], run_dir) -> list[Any]:
+    """Replies for every episode (same order), through the generation cache: one
+    ``generator.generate`` call with each episode's own cache file
+    (``generations/<model>/<cache_stem>.jsonl``), so pending prompts of every arm are generated
+    together (length-sorted batching across arms) and a no_tool episode is served by the
+    elicitation's closed-book file. Generators without cache keys (no ``key()``) get one call per
+    cache file."""
     gen_dir = Path(run_dir) / "generations" / model_label
     gen_dir.mkdir(parents=True, exist_ok=True)
     episodes = list(episodes)
-    stems = [cache_stem(e) for e in episodes]
     if not (callable(getattr(generator, "key", None)) and hasattr(generator, "identity")):
         return _generate_per_file(generator, model_label, episodes, gen_dir)
-    keys = [generator.key(e.prompt) for e in episodes]
-    own = {st: _cache.read_cache(gen_dir / f"{st}.jsonl") for st in dict.fromkeys(stems)}
-    known: dict[str, dict] = {}
-    for p in sorted(gen_dir.glob("*.jsonl")):
-        known.update(_cache.read_cache(p))
-
-    def from_rec(rec):
-        return Reply(text=rec["text"], n_prompt_tokens=int(rec.get("n_prompt_tokens", 0)),
-                     n_new_tokens=int(rec.get("n_new_tokens", 0)), seconds=float(rec.get("seconds", 0.0)),
-                     key=rec["key"], cached=True, finish=rec.get("finish", ""))
-
-    replies: list[Any] = [None] * len(episodes)
-    pending: OrderedDict[str, list[int]] = OrderedDict()
-    copies: dict[str, list[dict]] = {}
-    for i, (k, st) in enumerate(zip(keys, stems)):
-        rec = known.get(k)
-        if rec is None:
-            pending.setdefault(k, []).append(i)
-            continue
-        replies[i] = from_rec(rec)
-        if k not in own[st]:           # cached under another file (e.g. no_tool <- closed-book)
-            own[st][k] = rec
-            copies.setdefault(st, []).append(rec)
-    for st, recs in copies.items():
-        _cache.append_records(gen_dir / f"{st}.jsonl", recs)
-    if not pending:
-        return replies
-    ident = _cache.identity_hash(generator.identity)
-    first = sorted((idx[0] for idx in pending.values()), key=lambda i: (-len(episodes[i].prompt), i))
-    n_chunks = (len(first) + chunk - 1) // chunk
-    for c in range(n_chunks):
-        part = first[c * chunk:(c + 1) * chunk]
-        got = generator.generate([episodes[i].prompt for i in part], cache_path=None,
-                                 desc=f"{model_label} with-tool [{c + 1}/{n_chunks}]")
-        if len(got) != len(part):
-            raise EvaluationError(f"generator returned {len(got)} replies for {len(part)} prompts")
-        new: dict[str, list[dict]] = {}
-        for i0, r in zip(part, got):
-            k = keys[i0]
-            rec = {"key": k, "prompt_sha256": sha256_text(episodes[i0].prompt), "text": r.text,
-                   "n_prompt_tokens": int(getattr(r, "n_prompt_tokens", 0)),
-                   "n_new_tokens": int(getattr(r, "n_new_tokens", 0)),
-                   "seconds": round(float(getattr(r, "seconds", 0.0)), 6), "finish": getattr(r, "finish", ""),
-                   "identity_sha256": ident, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            for j in pending[k]:
-                replies[j] = r
-                if k not in own[stems[j]]:
-                    own[stems[j]][k] = rec
-                    new.setdefault(stems[j], []).append(rec)
-        for st, recs in new.items():
-            _cache.append_records(gen_dir / f"{st}.jsonl", recs)
+    replies = generator.generate([e.prompt for e in episodes],
+                                 cache_path=[gen_dir / f"{cache_stem(e)}.jsonl" for e in episodes],
+                                 desc=f"{model_label} with-tool")
+    if len(replies) != len(episodes):
+        raise EvaluationError(f"generator returned {len(replies)} replies for {len(episodes)} prompts")
     return replies
 
 

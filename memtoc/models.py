@@ -32,29 +32,31 @@ holds the weights hash (computed once) that goes into every cache key.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
 import shutil
-import sys
 import tempfile
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import ConfigError, MemtocError, check_choice
+from .backends import generator_class
+from .backends.attention import SOFTCAP_KERNELS, attention_implementation  # noqa: F401  (public here too)
+from .backends.base import LazyGenerator, load_signature
+from .config import ConfigError, check_choice
+from .io import sha256_file
+from .render import detect_default_system, render_prompt  # noqa: F401  (public here too)
+from .vocab import BACKENDS, DTYPES
+from .weights import (HASH_FILE, ModelError, adapter_hash, hash_dir_files, model_cache_root,  # noqa: F401
+                      weight_files, weights_hash)
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_BASE = "gemma-3-270m"
-HASH_FILE = "weights.sha256.json"
 DONE_FILE = "memtoc_model.json"
-
-
-class ModelError(MemtocError):
-    """Unknown model, missing weights or a model that cannot be prepared."""
 
 
 @dataclass(frozen=True)
@@ -154,14 +156,6 @@ def _has_chat_template(path: Path) -> bool:
     return (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file()
 
 
-def model_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("MEMTOC_MODEL_CACHE"):
-        return Path(os.environ["MEMTOC_MODEL_CACHE"]).expanduser()
-    return Path("~/.cache/memtoc/models").expanduser()
-
-
 def embedded_gguf_path(spec: ModelSpec | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
     """The GGUF file of an embedded model (default: the SmolLM2 one). A chunked GGUF is assembled
     once under ``<model cache>/_gguf/`` (the package's ``assemble`` checks the sha256)."""
@@ -188,80 +182,6 @@ def embedded_gguf_path(spec: ModelSpec | None = None, cache_dir: str | os.PathLi
                      f"with `{src.install}`")
 
 
-# -- hashing ------------------------------------------------------------------------------------
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
-
-
-def _weight_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
-    return files
-
-
-def hash_dir_files(files: list[Path]) -> dict[str, Any]:
-    per = {f.name: _sha256_file(f) for f in files}
-    total = hashlib.sha256("".join(f"{k}:{v}\n" for k, v in sorted(per.items())).encode()).hexdigest()
-    return {"weights_sha256": total, "files": per}
-
-
-def weights_hash(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> str:
-    """sha256 over the weight files of a model directory, computed once and stored.
-
-    Stored as ``weights.sha256.json`` beside the weights when the folder is writable, else under
-    ``<model cache>/_hashes/``. For a Hugging Face hub snapshot the blob names (the LFS sha256 of
-    each file) are used, so nothing is re-read.
-    """
-    path = Path(path)
-    files = _weight_files(path)
-    if not files:
-        raise ModelError(f"{path}: no *.safetensors (or *.bin) weight files; run "
-                         "`memtoc model prepare NAME` or point at a complete model directory")
-    if all(f.is_symlink() and re.fullmatch(r"[0-9a-f]{64}", Path(os.readlink(f)).name) for f in files):
-        per = {f.name: Path(os.readlink(f)).name for f in files}
-        return hashlib.sha256("".join(f"{k}:{v}\n" for k, v in sorted(per.items())).encode()).hexdigest()
-    stamp = {f.name: [f.stat().st_size, int(f.stat().st_mtime)] for f in files}
-    candidates = [path / HASH_FILE,
-                  model_cache_root(cache_dir) / "_hashes" /
-                  (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")]
-    for c in candidates:
-        if c.is_file():
-            try:
-                d = json.loads(c.read_text())
-                if d.get("stamp") in (None, stamp) and set(d.get("files", {})) == set(stamp):
-                    return d["weights_sha256"]
-            except (ValueError, KeyError):
-                pass
-    d = hash_dir_files(files)
-    d["stamp"] = stamp
-    for c in candidates:
-        try:
-            c.parent.mkdir(parents=True, exist_ok=True)
-            tmp = c.with_suffix(".tmp%d" % os.getpid())
-            tmp.write_text(json.dumps(d, indent=1))
-            os.replace(tmp, c)
-            break
-        except OSError:
-            continue
-    return d["weights_sha256"]
-
-
-def adapter_hash(adapter: str | os.PathLike) -> str:
-    p = Path(adapter)
-    files = sorted([*p.glob("adapter_model.safetensors"), *p.glob("adapter_model.bin"),
-                    *p.glob("adapter_config.json")])
-    if not files:
-        raise ModelError(f"adapter {p}: no adapter_model.safetensors/adapter_config.json; an adapter "
-                         "must be a peft LoRA directory (as written by memtoc.finetune)")
-    return hash_dir_files(files)["weights_sha256"]
-
-
 def formulations_for(model: str, formulations: list[str], base_formulations: Optional[list[str]]) -> list[str]:
     """The formulations ``model`` runs on: all of the run's for a chat model; for a base model the
     run's ``base_formulations`` (None: all), in the run's order. The paper reports its base model
@@ -284,7 +204,7 @@ def prepare_model(name: str, cache_dir: str | os.PathLike | None = None) -> Path
     if spec.source == "hub":
         return _prepare_hub(spec)
     target = model_cache_root(cache_dir) / spec.name
-    if (target / DONE_FILE).is_file() and _weight_files(target):
+    if (target / DONE_FILE).is_file() and weight_files(target):
         return target
     if target.exists():  # a foreign or partial folder: never overwrite silently
         raise ModelError(f"{target} exists but is not a complete prepared model (no {DONE_FILE}); "
@@ -314,12 +234,12 @@ def _materialize_embedded(spec: ModelSpec, target: Path, cache_dir: str | os.Pat
                 pass
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        hashes = hash_dir_files(_weight_files(tmp))
+        hashes = hash_dir_files(weight_files(tmp))
         hashes["stamp"] = None
         (tmp / HASH_FILE).write_text(json.dumps(hashes, indent=1))
         (tmp / DONE_FILE).write_text(json.dumps({
             "name": spec.name, "source": "embedded GGUF", "gguf": f"{spec.gguf.package}/{spec.gguf.filename}",
-            "gguf_sha256": _sha256_file(gguf), "hub_id": spec.hub_id, "dtype": "float32",
+            "gguf_sha256": sha256_file(gguf), "hub_id": spec.hub_id, "dtype": "float32",
             "weights_sha256": hashes["weights_sha256"]}, indent=1))
         for f in [tmp, *tmp.iterdir()]:
             f.chmod(0o755 if f.is_dir() else 0o644)
@@ -350,58 +270,6 @@ def _prepare_hub(spec: ModelSpec) -> Path:
                          "alternatively pass the path of a local copy as the model name") from None
 
 
-# -- prompt formatting ---------------------------------------------------------------------------
-def render_prompt(tokenizer, spec: ModelSpec, prompt: str) -> tuple[str, bool]:
-    """(text to tokenize, add_special_tokens) for one user-turn prompt."""
-    if not spec.chat or not getattr(tokenizer, "chat_template", None):
-        return prompt, True
-    msgs = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    if spec.system_turn == "none":
-        if "<|im_start|>system" in text and "<|im_start|>user" in text:  # ChatML default system
-            text = text[text.index("<|im_start|>user"):]
-        elif detect_default_system(tokenizer):
-            warnings.warn(f"{spec.name}: the chat template injects a system turn that memtoc cannot "
-                          "strip (not ChatML); using the template as is", stacklevel=2)
-    return text, False
-
-
-def detect_default_system(tokenizer) -> bool:
-    """True when the chat template injects a system turn for a single user message."""
-    if not getattr(tokenizer, "chat_template", None):
-        return False
-    t = tokenizer.apply_chat_template([{"role": "user", "content": "\u2063x"}], tokenize=False,
-                                      add_generation_prompt=True)
-    return "system" in t[: t.index("\u2063x")].lower()
-
-
-# -- attention kernel ----------------------------------------------------------------------------
-# kernels that apply gemma-2's attention logit soft-capping (tanh(scores / cap) * cap): transformers'
-# eager attention and the flash-attention kernels; SDPA and memtoc's CPU decode kernel do not
-SOFTCAP_KERNELS = ("eager", "flash_attention_2", "flash_attention_3")
-
-
-def attention_implementation(config, requested: str = "auto", device: str = "cpu",
-                             training: bool = False) -> str:
-    """The ``attn_implementation`` to load a model with, for generation or training.
-
-    A model whose config has ``attn_logit_softcapping`` (gemma-2) gets ``eager`` on every device
-    unless a soft-capping kernel (:data:`SOFTCAP_KERNELS`) was asked for: SDPA has no soft-capping,
-    and transformers < 5.22 accepts it silently and computes wrong logits (a tiny random gemma-2:
-    off by up to 8.7, 0 of 16 greedy replies equal). Else ``requested``, where ``auto`` means SDPA on
-    a GPU and for training, and ``memtoc_cpu`` (SDPA prefill + a grouped matmul for one-token decode
-    steps, :func:`memtoc.backends.hf.cpu_decode_attention`) for CPU generation.
-    """
-    if getattr(config, "attn_logit_softcapping", None):
-        if requested not in ("auto", *SOFTCAP_KERNELS):
-            warnings.warn(f"{getattr(config, 'model_type', 'this model')} soft-caps its attention logits; "
-                          f"attention {requested!r} would drop the soft-capping, using 'eager'", stacklevel=2)
-        return requested if requested in SOFTCAP_KERNELS else "eager"
-    if requested != "auto":
-        return requested
-    return "sdpa" if training or str(device).startswith("cuda") else "memtoc_cpu"
-
-
 # -- generators ----------------------------------------------------------------------------------
 def load_generator(name: str, backend: str = "transformers", adapter: str | os.PathLike | None = None,
                    batch_size: int | str = "auto", dtype: str = "auto", max_new_tokens: int = 48,
@@ -415,41 +283,38 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     argument; openai: ``base_url``, ``api_key``, ``model``, ``timeout``, ``max_retries``,
     ``concurrency``, ``weights_hash``.
     """
-    check_choice("backend", backend, ["transformers", "vllm", "openai"])
+    check_choice("backend", backend, BACKENDS)
     if not (batch_size == "auto" or (isinstance(batch_size, int) and batch_size > 0)):
         raise ConfigError(f"batch_size must be a positive integer or 'auto', got {batch_size!r}")
-    check_choice("dtype", dtype, ["auto", "bfloat16", "float32", "float16"])
+    check_choice("dtype", dtype, DTYPES)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if adapter is not None and not Path(adapter).is_dir():
         raise ModelError(f"adapter directory {adapter} does not exist")
     opts = dict(backend_options)
-    if backend == "openai":
+    cls, local = generator_class(backend)
+    if local:
+        spec = get_model(name)
+    else:
         try:
             spec = get_model(name)
         except ModelError:  # a name only the server knows
             spec = ModelSpec(name, re.sub(r"[^A-Za-z0-9_.-]+", "_", name), "remote", chat=True,
                              system_turn="template")
-    else:
-        spec = get_model(name)
     cache_dir = opts.pop("model_cache_dir", None)
     if not spec.chat:  # base models: the reply is the first line (the paper's completions stop)
         opts.setdefault("stop_at_first_line", True)
-    if backend in ("transformers", "vllm"):  # weights load on the first cache miss (backends.base)
-        from .backends.base import LazyGenerator, load_signature
-        path = prepare_model(name, cache_dir=cache_dir)
-        sig = load_signature(backend, spec.name, weights_hash(path, cache_dir),
-                             adapter_hash(adapter) if adapter is not None else None, path=str(path),
-                             batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens, options=opts)
-        kwargs = dict(adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts)
-        if backend == "transformers":
-            from .backends.hf import TransformersGenerator as cls
-            kwargs["batch_size"] = batch_size
-        else:
-            from .backends.vllm import VLLMGenerator as cls
-        return LazyGenerator.of(cls, (spec, path), kwargs, sig, model_cache_root(cache_dir) / "_identities")
-    from .backends.openai import OpenAIGenerator
-    return OpenAIGenerator(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)
+    if not local:
+        return cls(spec, max_new_tokens=max_new_tokens, adapter=adapter, **opts)
+    # a local backend: the weights load on the first cache miss (backends.base.LazyGenerator)
+    path = prepare_model(name, cache_dir=cache_dir)
+    sig = load_signature(backend, spec.name, weights_hash(path, cache_dir),
+                         adapter_hash(adapter) if adapter is not None else None, path=str(path),
+                         batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens, options=opts)
+    kwargs = dict(adapter=adapter, dtype=dtype, max_new_tokens=max_new_tokens, cache_dir=cache_dir, **opts)
+    if "batch_size" in inspect.signature(cls.__init__).parameters:
+        kwargs["batch_size"] = batch_size
+    return LazyGenerator.of(cls, (spec, path), kwargs, sig, model_cache_root(cache_dir) / "_identities")
 
 
 # -- CLI -----------------------------------------------------------------------------------------

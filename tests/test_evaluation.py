@@ -9,12 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import PlainGenerator
+from conftest import PlainGenerator, ScriptedGenerator
 from memtoc import analyses, cache, metrics, stats, tables, vocab
 from memtoc import evaluation as ev
-from memtoc.backends.base import Reply
 from memtoc.benchmark import select_questions
-from memtoc.cache import request_key
 from memtoc.config import DEFAULTS, FORMULATIONS
 from memtoc.episodes import run_episodes
 from memtoc.prompts import closed_book_prompt
@@ -249,23 +247,23 @@ def test_summary_json_structure(run):
     assert not tables.arms_table(s2, "frames").empty
 
 
-class KeyedFake:
-    """A generator with cache keys (like memtoc's): records each generate call's prompts."""
+class KeyedFake(ScriptedGenerator):
+    """A generator with the real cache (memtoc's one caching path), 16 prompts a batch; records each
+    batch's prompts and can be killed at a given batch."""
 
     def __init__(self, answer, fail_on_call=None):
-        self.identity = {"model": "keyed-fake", "v": 1}
-        self.answer, self.fail_on_call = answer, fail_on_call
+        super().__init__(answer, identity={"model": "keyed-fake", "v": 1}, batch=16)
+        self.fail_on_call = fail_on_call
         self.calls: list[list[str]] = []
+        self.requests: list[list[str]] = []      # the prompts of each generate() that reached the model
 
-    def key(self, prompt):
-        return request_key(self.identity, prompt)
-
-    def generate(self, prompts, cache_path=None, desc=None):
-        assert cache_path is None
-        self.calls.append(list(prompts))
-        if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
-            raise KeyboardInterrupt("killed")
-        return [Reply(self.answer(p), 10, 3, 0.01, self.key(p), False, "eos") for p in prompts]
+    def _generate_batches(self, prompts, desc):
+        self.requests.append(list(prompts))
+        for idx, replies in super()._generate_batches(prompts, desc):
+            self.calls.append([prompts[i] for i in idx])
+            if self.fail_on_call is not None and len(self.calls) == self.fail_on_call:
+                raise KeyboardInterrupt("killed")
+            yield idx, replies
 
 
 def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_path):
@@ -283,14 +281,15 @@ def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_pa
     # killed during the second chunk: the first chunk's replies are already in their arm files
     g1 = KeyedFake(answer, fail_on_call=2)
     with pytest.raises(KeyboardInterrupt):
-        ev.generate_replies(g1, "fake", eps, tmp_path, chunk=16)
+        ev.generate_replies(g1, "fake", eps, tmp_path)
     done = sum(len(cache.read_cache(p)) for p in gen_dir.glob("*.jsonl")) - len(cb)
     assert done == 16
     first_chunk = set(g1.calls[0])
-    assert len({e.arm_key for e in eps if e.prompt in first_chunk}) > 1   # one call spans several arms
+    assert len(g1.requests) == 1                                          # one call for every arm
+    assert len({e.arm_key for e in eps if e.prompt in set(g1.requests[0])}) > 1
 
     g2 = KeyedFake(answer)
-    reps = ev.generate_replies(g2, "fake", eps, tmp_path, chunk=16)
+    reps = ev.generate_replies(g2, "fake", eps, tmp_path)
     regenerated = [p for call in g2.calls for p in call]
     assert not (set(regenerated) & first_chunk)                    # finished work is not redone
     assert not (set(regenerated) & {e.prompt for e in cb})         # no_tool never regenerated

@@ -12,13 +12,15 @@ rerun whose replies are all cached never loads the model.
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 import json
 import os
 import re
 import time
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from .. import cache as _cache
 from .. import progress
@@ -88,8 +90,32 @@ def truncate_reply(text: str, stop_at_final: bool, stop_at_first_line: bool) -> 
     return text[:end], rule
 
 
-class Generator:
-    """One loaded model behind one backend. Subclasses fill ``identity`` and the batch hook."""
+CachePath = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], None]
+
+
+def cache_paths(cache_path: CachePath, n: int) -> Optional[list[Path]]:
+    """One cache file per prompt (None: no cache)."""
+    if cache_path is None:
+        return None
+    if isinstance(cache_path, (str, os.PathLike)):
+        return [Path(cache_path)] * n
+    paths = [Path(p) for p in cache_path]
+    if len(paths) != n:
+        raise ValueError(f"{len(paths)} cache paths for {n} prompts")
+    return paths
+
+
+def lookup(paths: Optional[Sequence[Path]]) -> dict[str, dict]:
+    """Every cached record of the model folders of ``paths``, by key (the prompts' own files last)."""
+    known: dict[str, dict] = {}
+    for p in dict.fromkeys(paths or []):
+        known.update(_cache.sibling_lookup(p))
+    return known
+
+
+class Generator(ABC):
+    """One loaded model behind one backend (abstract). Subclasses fill ``identity`` and implement the
+    batch hook :meth:`_generate_batches`; :meth:`generate` (the cache, dedup, progress) is shared."""
 
     backend: str = "base"
 
@@ -97,39 +123,42 @@ class Generator:
         self.identity = identity
 
     # -- to implement ------------------------------------------------------------------------
+    @abstractmethod
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
-        raise NotImplementedError
+        """Yield (indices into ``prompts``, their Replies) batch by batch, in any order."""
 
     # -- public --------------------------------------------------------------------------------
     def key(self, prompt: str) -> str:
         return _cache.request_key(self.identity, prompt)
 
-    def generate(self, prompts: list[str], cache_path: str | Path | None = None,
+    def generate(self, prompts: list[str], cache_path: CachePath = None,
                  desc: Optional[str] = None) -> list[Reply]:
-        """One Reply per prompt, same order. With ``cache_path``, cached replies (in that file or a
-        sibling file of the same model folder) are reused and new ones appended batch by batch."""
+        """One Reply per prompt, same order: the one caching path of memtoc.
+
+        ``cache_path``: one cache file for every prompt, or one per prompt (a sequence as long as
+        ``prompts``: e.g. the arm file of each episode). A prompt cached in any ``*.jsonl`` of the same
+        model folder is reused (and copied into its own file when it is not there yet); the others are
+        generated together, deduplicated, and each new reply is appended to its prompt's file(s)
+        batch by batch, so an interrupted run loses at most the batch in flight."""
         prompts = list(prompts)
         keys = [self.key(p) for p in prompts]
+        paths = cache_paths(cache_path, len(prompts))
         out: list[Optional[Reply]] = [None] * len(prompts)
-        own: dict[str, dict] = {}
-        known: dict[str, dict] = {}
-        if cache_path is not None:
-            cache_path = Path(cache_path)
-            own = _cache.read_cache(cache_path)
-            known = _cache.sibling_lookup(cache_path)
-        copied: list[dict] = []
+        own: dict[Path, dict[str, dict]] = {p: _cache.read_cache(p) for p in dict.fromkeys(paths or [])}
+        known = lookup(paths)
+        copied: dict[Path, list[dict]] = {}
         todo: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             rec = known.get(k)
             if rec is not None:
                 out[i] = _reply_from_record(rec)
-                if k not in own:
-                    own[k] = rec
-                    copied.append(rec)
+                if paths and k not in own[paths[i]]:
+                    own[paths[i]][k] = rec
+                    copied.setdefault(paths[i], []).append(rec)
             else:
                 todo.setdefault(k, []).append(i)
-        if copied and cache_path is not None:
-            _cache.append_records(cache_path, copied)
+        for p, recs in copied.items():
+            _cache.append_records(p, recs)
         if todo:
             first = [idx[0] for idx in todo.values()]
             sub = [prompts[i] for i in first]
@@ -137,21 +166,24 @@ class Generator:
             t0, n_done = time.time(), 0
             progress.report(desc or "generating", 0, len(sub), t0)
             for sub_idx, replies in self._generate_batches(sub, desc):
-                recs = []
+                new: dict[Path, list[dict]] = {}
                 for j, r in zip(sub_idx, replies):
                     i0 = first[j]
                     r.key = keys[i0]
                     r.cached = False
+                    rec = {"key": r.key, "prompt_sha256": _cache.sha256_text(prompts[i0]),
+                           "text": r.text, "n_prompt_tokens": r.n_prompt_tokens,
+                           "n_new_tokens": r.n_new_tokens, "seconds": round(r.seconds, 6),
+                           "finish": r.finish, "identity_sha256": ident_hash,
+                           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
                     for i in todo[keys[i0]]:
                         out[i] = r
-                    recs.append({"key": r.key, "prompt_sha256": _cache.sha256_text(prompts[i0]),
-                                 "text": r.text, "n_prompt_tokens": r.n_prompt_tokens,
-                                 "n_new_tokens": r.n_new_tokens, "seconds": round(r.seconds, 6),
-                                 "finish": r.finish, "identity_sha256": ident_hash,
-                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-                if cache_path is not None:
-                    _cache.append_records(cache_path, recs)
-                n_done += len(recs)
+                        if paths and r.key not in own[paths[i]]:
+                            own[paths[i]][r.key] = rec
+                            new.setdefault(paths[i], []).append(rec)
+                for p, recs in new.items():
+                    _cache.append_records(p, recs)
+                n_done += len(sub_idx)
                 progress.report(desc or "generating", n_done, len(sub), t0)
         missing = [i for i, r in enumerate(out) if r is None]
         if missing:  # a backend bug, never a user error
@@ -249,16 +281,16 @@ class LazyGenerator(Generator):
                 f"({self._store}); the cache keys computed before loading are void. Rerun the same command.")
         return self._real
 
-    def generate(self, prompts: list[str], cache_path: str | Path | None = None,
+    def generate(self, prompts: list[str], cache_path: CachePath = None,
                  desc: Optional[str] = None) -> list[Reply]:
-        if self._real is None and not (cache_path is not None and self._all_cached(prompts, Path(cache_path))):
+        if self._real is None and not (cache_path is not None and self._all_cached(prompts, cache_path)):
             self.load()
         return super().generate(prompts, cache_path, desc)
 
-    def _all_cached(self, prompts: list[str], cache_path: Path) -> bool:
+    def _all_cached(self, prompts: list[str], cache_path: CachePath) -> bool:
         if self._recorded is None:
             return False
-        known = _cache.sibling_lookup(cache_path)
+        known = lookup(cache_paths(cache_path, len(prompts)))
         return all(self.key(p) in known for p in prompts)
 
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
@@ -292,12 +324,10 @@ def load_signature(backend: str, model: str, weights_sha256: str, adapter_sha256
     """Everything a loaded generator's identity can depend on, known without loading it: the model
     and its hashes, the load arguments, the package versions, the device (CUDA or not) and the
     source of memtoc's backend code (a changed backend re-records its identity on the next load)."""
-    from importlib import metadata
-
     import torch
 
     here = Path(__file__).resolve().parent
-    code = sorted(here.glob("*.py")) + [here.parent / "models.py", here.parent / "cache.py"]
+    code = sorted(here.glob("*.py")) + [here.parent / f for f in ("models.py", "cache.py", "render.py", "weights.py")]
     versions = {}
     for name in _SIGNATURE_PACKAGES:
         try:

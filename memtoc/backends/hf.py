@@ -39,7 +39,7 @@ near-tie greedy tokens about as often as changing the batch composition does (me
 episodes: 86 of 120 plain-bf16 and 88 of 120 shared-bf16 replies equal the float32 reply). Like the
 batch size it is therefore not part of the cache identity.
 
-Attention (``attention="auto"``, :func:`memtoc.models.attention_implementation`): SDPA on GPU; on
+Attention (``attention="auto"``, :func:`memtoc.backends.attention.attention_implementation`): SDPA on GPU; on
 CPU ``memtoc_cpu`` = SDPA for the prefill and a plain grouped-query matmul for one-token decode
 steps (see :func:`cpu_decode_attention`); ``eager`` on every device for models that soft-cap their
 attention logits (gemma-2), as SDPA cannot.
@@ -92,7 +92,9 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, StoppingCriteria
 
 from ..config import ConfigError, MemtocError
-from ..models import adapter_hash, attention_implementation, render_prompt, weights_hash
+from ..render import render_prompt
+from ..weights import adapter_hash, weights_hash
+from .attention import attention_implementation
 from .base import Generator, Reply, line_stop
 from .prefix import leaves_by_row, prefix_segments
 from .prefix import path as prefix_path

@@ -22,7 +22,8 @@ from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm
 
-from ..models import adapter_hash, render_prompt, weights_hash
+from ..render import render_prompt
+from ..weights import adapter_hash, weights_hash
 from .base import Generator, Reply, truncate_reply
 from .openai import BackendError
 
