@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL = ("vllm", "torch", "transformers", "peft", "trl", "accelerate", "datasets", "openai", "papermill",
             "nbformat", "matplotlib", "seaborn", "huggingface_hub", "gguf", "sae_lens", "safetensors",
             "tokenizers", "statsmodels", "scipy", "sklearn", "psutil", "IPython", "pyarrow", "fastapi",
-            "uvicorn", "requests", "bitsandbytes", "flash_attn", "triton", "pynvml", "jinja2")
+            "uvicorn", "requests", "bitsandbytes", "flash_attn", "triton", "pynvml", "jinja2", "llguidance")
 
 
 def audit(path: Path) -> tuple[list[str], list[str]]:

@@ -16,6 +16,7 @@ A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``).
 """
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -135,8 +136,7 @@ class VLLMGenerator(Generator):
         if llm is not None:
             del llm
             try:
-                import gc
-
+        
                 import torch
                 gc.collect()
                 torch.cuda.empty_cache()
