@@ -280,8 +280,9 @@ def test_transfer_params_and_config():
 def test_pipeline_runs_06_between_04_and_08():
     P = load_params(Path(__file__).parents[1] / "params" / "smoke.yaml")
     names = [s.name for s in plan(P) if s.run]
-    assert names.index("06_transfer") == names.index("04_finetuning") + 1
-    assert names.index("08_paper") == names.index("06_transfer") + 1
+    # 06 after 04 (it reads 04's adapters) and before 08 (the report); 05 / 07 may sit between
+    assert names.index("04_finetuning") < names.index("06_transfer") < names.index("08_paper")
+    assert [n for n in names if n[:2] in ("04", "06", "08")] == ["04_finetuning", "06_transfer", "08_paper"]
     off = [s for s in plan(load_params(overrides={"transfer": {"enabled": False}})) if s.number == "06"]
     assert off and not off[0].run and "transfer.enabled" in off[0].reason
 
