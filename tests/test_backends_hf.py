@@ -56,7 +56,8 @@ def test_compact_loop_matches_generate_on_a_tiny_model(tiny_model_dir, monkeypat
     # A random model never writes a FINAL line; make the stop rule fire pseudo-randomly instead, the
     # same way in both loops: every token is "a newline", and a reply is "done" when the crc of its
     # text hits 0 mod 9. Some tokens also count as EOS. Rows then end at many different steps.
-    monkeypatch.setattr(hf, "final_line_done", lambda text: zlib.crc32(text.encode()) % 9 == 0)
+    monkeypatch.setattr(hf, "line_stop", lambda text, final, first: "final_line"
+                        if final and zlib.crc32(text.encode()) % 9 == 0 else None)
     gen.newline_ids = set(range(len(gen.tokenizer)))
     gen.eos_ids = gen.eos_ids | set(range(3, len(gen.tokenizer), 29))
     prompts = _prompts_with_shared_prefixes(16)
