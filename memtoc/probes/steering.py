@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..backends.base import Generator, Reply, final_line_done
+from ..backends.base import Generator, Reply, line_stop
 from ..backends.hf import cache_keyword
 from ..scoring import has_final_line, score_reply
 from ..stats import clopper_pearson
@@ -105,13 +105,18 @@ class SteeredGenerator(Generator):
     backend = "memtoc-probes-steer"
 
     def __init__(self, lm: LoadedModel, sae: TopKSAE, sae_sha256: str, edit: Edit, spans: dict[str, str],
-                 max_new_tokens: int = 48, stop_at_final: bool = True):
+                 max_new_tokens: int = 48, stop_at_final: bool = True, stop_at_first_line: Optional[bool] = None):
+        # a base model's reply is its first complete line, as in notebook 03 (models.load_generator)
+        if stop_at_first_line is None:
+            stop_at_first_line = not lm.spec.chat
         ident = {"backend": self.backend, "decoder": "greedy-batch1-v1", "model": lm.name,
                  "weights_sha256": lm.weights_sha256, "sae_sha256": sae_sha256, "edit": edit.to_dict(),
-                 "max_new_tokens": max_new_tokens, "stop_at_final": stop_at_final}
+                 "max_new_tokens": max_new_tokens, "stop_at_final": stop_at_final,
+                 **({"stop_at_first_line": True} if stop_at_first_line else {})}
         super().__init__(ident)
         self.lm, self.sae, self.edit, self.spans = lm, sae, edit, spans
         self.max_new_tokens, self.stop_at_final = max_new_tokens, stop_at_final
+        self.stop_at_first_line = bool(stop_at_first_line)
 
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
         for i, p in enumerate(prompts):
@@ -142,8 +147,10 @@ class SteeredGenerator(Generator):
                     finish = "eos"
                     break
                 new.append(nxt)
-                if self.stop_at_final and final_line_done(lm.tokenizer.decode(new, skip_special_tokens=True)):
-                    finish = "final_line"
+                rule = line_stop(lm.tokenizer.decode(new, skip_special_tokens=True), self.stop_at_final,
+                                 self.stop_at_first_line)
+                if rule:
+                    finish = rule
                     break
                 out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{ckw: past})
                 past = _past(out, ckw)
