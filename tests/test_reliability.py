@@ -568,7 +568,7 @@ SMALL = ["--set", "n_questions=2", "--set", "n_questions_extra=0", "--set", "for
 if "transfer" in DEFAULTS:
     SMALL += ["--set", "transfer.enabled=false"]
 VOLATILE = {"seconds", "created", "time", "started", "finished", "seconds_per_step", "elapsed", "s_per_step",
-            "wall_seconds", "path", "run_dir", "tokens_per_second", "resumed"}
+            "wall_seconds", "path", "run_dir", "tokens_per_second", "resumed", "timing"}
 
 
 def _strip(o):
@@ -577,6 +577,17 @@ def _strip(o):
     if isinstance(o, list):
         return [_strip(v) for v in o]
     return o
+
+
+def _differences(a, b, at: str = "") -> list[str]:
+    """The JSON paths where ``a`` and ``b`` differ (with both values), for a readable failure."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in (_differences(a.get(k), b.get(k), f"{at}/{k}") if k in a and k in b
+                          else [f"{at}/{k}: only in {'the first' if k in a else 'the second'}"])]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{at}/{i}")]
+    return [] if a == b else [f"{at}: {str(a)[:120]} != {str(b)[:120]}"]
 
 
 def _memtoc_run(out_root: Path, env) -> subprocess.Popen:
@@ -648,7 +659,8 @@ def test_killed_damaged_and_resumed_run_gives_the_uninterrupted_summaries(tmp_pa
     b = _memtoc_run(tmp_path / "b", env)
     log_b = b.communicate()[0]
     assert b.returncode == 0, log_b
-    assert _summaries(rd) == _summaries(tmp_path / "a" / "smoke")
+    diffs = _differences(_summaries(rd), _summaries(tmp_path / "a" / "smoke"))
+    assert diffs == [], "\n".join(diffs)
     cfg = json.loads((rd / "config.json").read_text())
     assert cfg["status"] == "ok" and [h["status"] for h in cfg["history"]] == ["interrupted"] * 3
     assert claims.verify(rd).ok

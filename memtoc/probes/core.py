@@ -188,7 +188,7 @@ def run_lens(lm: LoadedModel, pr: dict, rows: list[dict], run_dir: Path, docs_fi
                           metadata={"model": lm.name, "weights_sha256": lm.weights_sha256,
                                     "corpus": corpus_info.to_dict()},
                           desc=f"{lm.spec.label}: Jacobian lens")
-        fit = {"file": str(out / L.LENS_FILE), "source": "fitted here", "n_prompts": lens.n_prompts,
+        fit = {"file": str((out / L.LENS_FILE).relative_to(run_dir)), "source": "fitted here", "n_prompts": lens.n_prompts,
                "n_tokens": lens.metadata.get("n_tokens"), "estimator": "exact (one-hot cotangents)"}
     t_fit = time.time() - t0
     held = [lm.encode_text(d, pr["heldout_max_seq_len"]) for d in docs_held]
@@ -293,7 +293,7 @@ def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run
             d = run_dir / "probes" / lm.spec.label / "sae" / f"layer{l}"
             S.save_sae(sae, d, model_name=lm.name, layer=l,
                        extra={"corpus": corpus_info.to_dict(), "train": info})
-            info = info | {"source": "trained here", "file": str(d)}
+            info = info | {"source": "trained here", "file": str(d.relative_to(run_dir))}   # relative: the run moves
         timing[f"sae_layer{l}_train"] = time.time() - t1 - timing[f"sae_layer{l}_activations"]
         m = S.metrics(sae, held)
         m["passes_gate"] = bool(m["fvu"] < pr["fvu_gate"])
