@@ -136,6 +136,8 @@ DEFAULTS: dict[str, Any] = {
     "transfer": {"enabled": True},
     # the probes (notebook 05; keys and defaults: memtoc.probes.core.PR_DEFAULTS)
     "probes": {"enabled": True},
+    # the agent loop (notebook 07; keys and defaults: memtoc.agent.core.AGENT_DEFAULTS)
+    "agent": {"enabled": True},
     # the LLM-judge overlay (PROTOCOL §4b, the "judged" layer; memtoc/judge.py): null = det only.
     # {model: <registry name or local dir>, backend: transformers|vllm|openai, backend_options: {...},
     #  max_new_tokens: 32}
@@ -228,6 +230,8 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
         fail("transfer", "must be a mapping (keys: memtoc.transfer.core.TR_DEFAULTS; see params/default.yaml)")
     if not isinstance(p["probes"], dict):
         fail("probes", "must be a mapping (keys: memtoc.probes.core.PR_DEFAULTS; see params/probes.yaml)")
+    if not isinstance(p["agent"], dict):
+        fail("agent", "must be a mapping (keys: memtoc.agent.core.AGENT_DEFAULTS; see params/agent.yaml)")
     if p["judge"] is not None:
         p["judge"] = check_judge(p["judge"], fail)
     return p

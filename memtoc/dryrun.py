@@ -33,6 +33,7 @@ import math
 from typing import Any, Optional
 
 from . import finetune, models
+from .agent import core as agent_core
 from .config import ConfigError
 from .episodes import run_episodes
 from .pipeline import plan, preflight, resolve_paths
@@ -196,6 +197,25 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
             n, what = None, ""
         elif s.number in ("01", "08", "09"):
             lines.append(f"  {s.name:<18} no generation")
+            continue
+        elif s.number == "07":
+            a = agent_core.agent_params(P)
+            lines.append(f"  {s.name:<18} agent episodes per model (questions x formulations x schema variants x "
+                         f"{len(a['protocols'])} protocols), model requests at most; runtime {a['runtime']}, "
+                         f"{a['max_tokens_per_call']} tokens per call")
+            for spec in specs:
+                aq = agent_core.planned_requests(P, spec.name)
+                if not aq["episodes"]:
+                    continue
+                what = f"{aq['episodes']} episodes, <= {aq['requests_max']} requests"
+                t = (gen_seconds(aq["requests_max"], est[spec.name]["weights_gb"], "transformers", a["max_tokens_per_call"])
+                     if a["runtime"] == "transformers" else None)
+                if t is None:
+                    unknown_time = True
+                    lines.append(f"      {spec.name:<28} {what}, time unknown ({a['runtime']} runtime)")
+                    continue
+                total_s += t
+                lines.append(f"      {spec.name:<28} {what} ~{_dur(t)}")
             continue
         elif s.number != "06":
             lines.append(f"  {s.name:<18} requests not estimated here (see its notebook)")

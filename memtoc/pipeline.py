@@ -56,6 +56,7 @@ from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
 from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release_dir, run_dir
+from .agent.core import agent_params
 from .probes.core import probes_params
 from .transfer import transfer_params
 
@@ -158,6 +159,7 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
     finetune_on = bool((params.get("finetune") or {}).get("enabled", True))
     transfer_on = bool((params.get("transfer") or {}).get("enabled", True))
     probes_on = bool((params.get("probes") or {}).get("enabled", True))
+    agent_on = bool((params.get("agent") or {}).get("enabled", True))
     for n in numbers:
         if wanted is not None and n not in wanted:
             continue
@@ -170,6 +172,8 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
             steps.append(Step(n, p.stem, p, False, "transfer.enabled is false"))
         elif n == "05" and not probes_on:
             steps.append(Step(n, p.stem, p, False, "probes.enabled is false"))
+        elif n == "07" and not agent_on:
+            steps.append(Step(n, p.stem, p, False, "agent.enabled is false"))
         else:
             steps.append(Step(n, p.stem, p, True))
     return steps
@@ -276,6 +280,7 @@ def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>
     ft = finetune.finetune_params(params, source)
     transfer_params(params, source)   # the transfer block (06), checked before 01 starts
     probes_params(params, source)     # the probes block (05)
+    agent_params(params, source)      # the agent block (07)
     bench = load_benchmark(params.get("release_dir"))
     n = len(bench.analysis)
     for field in ("n_questions", "n_questions_extra"):

@@ -110,6 +110,7 @@ class RunConfig(Mapping):
     finetune: dict
     transfer: dict
     probes: dict
+    agent: dict
     judge: Optional[JudgeConfig]
     verify: bool
     run_dir: Path                       # <output_root>/<run_name>, resolved

@@ -97,6 +97,21 @@ def stage_run(tmp_path_factory):
             objs[obj] = finetune.paired_deltas(treated, untreated, P["formulations"], n_boot=100, n_perm=200)
         summ["models"][m] = {"base": "fake", "folds": {}, "adapters": {}, "objectives": objs}
     finetune.write_summary(summ, rd)
+    # notebook 07's summary, from scripted agent episodes through the stage's own summary code
+    from memtoc.agent import core as agent_core
+    from memtoc.agent.protocols import run_episodes as run_agent
+    from memtoc.agent.traces import Trace
+    from memtoc.io import write_json
+    from test_agent import CALL, Scripted, spec
+    a = agent_core.agent_params(dict(P, models=list(MODELS), agent={"n_questions": 3}))
+    doc = agent_core.summary_head(a)
+    for i, m in enumerate(MODELS):
+        specs = [spec(p, question=f"Who is {m}{k}?", model=m, formulation=f) for k in range(3)
+                 for f in P["formulations"] for p in a["protocols"]]
+        recs = run_agent(Scripted(lambda r, t: CALL if t == 1 and r.tool_choice != "none" else "FINAL: Jane Doe"),
+                         specs, Trace(rd / "agent" / m / "traces.jsonl"))["records"]
+        doc["models"][m] = agent_core.model_block(recs, a, P["formulations"], 3, {"kind": "scripted"}, {}, 200)
+    write_json(rd / "summaries" / "agent.json", doc)
     return rd
 
 

@@ -56,6 +56,30 @@ def build_completion_request(model: str, prompt: str, max_new_tokens: int, seed:
     return body
 
 
+def post_json(session, url: str, body: dict, timeout: float, max_retries: int, backoff: float,
+              what: str = "the model name") -> dict:
+    """POST ``body`` to ``url`` and return the JSON answer: connection errors, timeouts and HTTP
+    408/409/429/5xx are retried (``backoff * 2**attempt`` s, at most 30 s); other HTTP errors fail at
+    once with a BackendError naming ``what`` to check (also used by ``memtoc.agent.runtime``)."""
+    import requests
+    last = ""
+    for attempt in range(max_retries + 1):
+        try:
+            r = session.post(url, json=body, timeout=timeout)
+            if r.status_code == 200:
+                return r.json()
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code not in RETRY_STATUS:
+                raise BackendError(f"{url} refused the request ({last}); check base_url and {what}")
+        except (requests.ConnectionError, requests.Timeout) as e:
+            last = f"{type(e).__name__}: {e}"
+        if attempt < max_retries:
+            time.sleep(min(30.0, backoff * 2 ** attempt))
+    raise BackendError(f"{url}: no answer after {max_retries + 1} attempts (last: {last}); is the "
+                       "server running? start one with e.g. `python -m memtoc.backends.serve MODEL` or "
+                       "`vllm serve MODEL`, and pass base_url")
+
+
 class OpenAIGenerator(Generator):
     backend = "openai"
 
@@ -106,25 +130,8 @@ class OpenAIGenerator(Generator):
         return "/completions", build_completion_request(self.model, prompt, self.max_new_tokens, self.seed)
 
     def _post(self, path: str, body: dict) -> dict:
-        import requests
-        url = self.base_url + path
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            try:
-                r = self.session.post(url, json=body, timeout=self.timeout)
-                if r.status_code == 200:
-                    return r.json()
-                last = f"HTTP {r.status_code}: {r.text[:300]}"
-                if r.status_code not in RETRY_STATUS:
-                    raise BackendError(f"{url} refused the request ({last}); check base_url and model="
-                                       f"{self.model!r}")
-            except (requests.ConnectionError, requests.Timeout) as e:
-                last = f"{type(e).__name__}: {e}"
-            if attempt < self.max_retries:
-                time.sleep(min(30.0, self.backoff * 2 ** attempt))
-        raise BackendError(f"{url}: no answer after {self.max_retries + 1} attempts (last: {last}); is the "
-                           "server running? start one with e.g. `python -m memtoc.backends.serve MODEL` or "
-                           "`vllm serve MODEL`, and pass base_url")
+        return post_json(self.session, self.base_url + path, body, self.timeout, self.max_retries, self.backoff,
+                         f"model={self.model!r}")
 
     def _one(self, prompt: str) -> Reply:
         path, body = self.request_body(prompt)

@@ -1,0 +1,38 @@
+"""The agent loop (notebook 07, paper App. G): tool-choice protocols in an executed agent loop.
+
+Modules
+    ``tools``      the fixture tool, its schemas (the release's / memtoc's typed variant), argument
+                   validation (``jsonschema``), execution, the oracle call
+    ``parsers``    tool-call formats per model family (Hermes/Qwen, Llama-3 JSON, Mistral, the
+                   documented SmolLM2 ``<tools>`` / ``<tool_call>`` text format)
+    ``runtime``    one ``chat(messages, tools, tool_choice)`` interface: in-process transformers
+                   (schema-constrained calls with llguidance) and OpenAI-compatible servers
+    ``protocols``  guided / auto / two_stage / oracle / auto_constrained as episode state machines,
+                   terminations and mechanisms, the round-based loop
+    ``traces``     resumable JSONL traces (one event per line, message hashes)
+    ``metrics``    agreement, execution, their gap, terminations, mechanisms, the repair delta, with
+                   question-cluster bootstrap intervals (``memtoc.stats`` via ``memtoc.analyses``)
+    ``core``       parameters (``agent:`` block), episodes, ``run(P)``, ``summaries/agent.json``, the figure
+"""
+from __future__ import annotations
+
+from .core import (AGENT_DEFAULTS, AgentError, agent_params, build_specs, episodes, formulations_of, plot,
+                   published_block, read_summary, run)
+from .metrics import METRIC_DOC, SLICES, episodes_frame, published_table, repair_table, summary_table
+from .parsers import FORMATS, Parsed, ToolCall, ToolFormat, format_for, get_format
+from .protocols import (AGENT_SYSTEM, MECHANISMS, PROTOCOLS, TERMINATIONS, EpisodeRun, EpisodeSpec, parse_decision,
+                        run_episodes, system_prompt)
+from .runtime import (AgentRuntimeError, ChatRequest, ChatResponse, OpenAIRuntime, ProtocolUnsupported, Runtime,
+                      TransformersRuntime, detect_server, make_runtime, render_messages)
+from .tools import SCHEMA_VARIANTS, FixtureTool, episode_schema, oracle_arguments, typed_schema, validate_call
+from .traces import Trace
+
+__all__ = ["AGENT_DEFAULTS", "AgentError", "agent_params", "build_specs", "episodes", "formulations_of",
+           "plot", "published_block", "read_summary", "run", "METRIC_DOC", "SLICES", "episodes_frame",
+           "published_table", "repair_table", "summary_table", "FORMATS", "Parsed", "ToolCall", "ToolFormat",
+           "format_for", "get_format", "AGENT_SYSTEM", "MECHANISMS", "PROTOCOLS", "TERMINATIONS",
+           "EpisodeRun", "EpisodeSpec", "parse_decision", "run_episodes", "system_prompt",
+           "AgentRuntimeError", "ChatRequest", "ChatResponse", "OpenAIRuntime", "ProtocolUnsupported",
+           "Runtime", "TransformersRuntime", "detect_server", "make_runtime", "render_messages",
+           "SCHEMA_VARIANTS", "FixtureTool", "episode_schema", "oracle_arguments", "typed_schema",
+           "validate_call", "Trace"]

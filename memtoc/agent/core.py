@@ -1,0 +1,423 @@
+"""The agent-loop stage (notebook 07, paper App. G): parameters, episodes, the run, the summary.
+
+``run(P)`` for every model of ``agent.models`` (default: the run's): the first ``agent.n_questions``
+questions of the run's stratified selection (plus up to ``agent.memory_right_questions`` of the
+run's questions that 02 found memory-right for the model: :func:`questions_for`), their forced closed-book answers (through the run's
+generator and generation cache: served by notebook 02's cache when it ran; written to
+``agent/<model>/closed_book_forced.jsonl``, never over 02's file), one episode per question ×
+formulation × schema variant × protocol on ``agent.condition`` (default ``tool_wrong``: the tool
+returns the near distractor), run by the runtime (``agent.runtime``) and logged to
+``agent/<model>/traces.jsonl`` (resumable; the runtime's replies are cached under
+``agent/<model>/cache/``), then ``summaries/agent.json`` and ``figures/agent_agreement_execution.png``.
+
+``summaries/agent.json`` (``schema_version`` 1)::
+
+    /caveat, /config (resolved agent parameters), /metrics {name: definition}
+    /constrained_decoding   {library, version, json_options}
+    /models/<model>/runtime   what ran (kind, tool format, prompt layout, capabilities)
+    /models/<model>/support   {questions, memory_right_added, formulations, memory_right: {form: n}, episodes}
+    /models/<model>/resumed   {finished, ran, dropped_events, ...} (the trace on open)
+    /models/<model>/slices/<memory_right|all>/<schema_variant>/protocols/<protocol>/
+        answer_agreement | tool_execution_rate | agreement_minus_execution | kept_memory | final_correct
+                                 /<formulation|pooled> {value, ci95, n[, n_boot_used]}
+        terminations/<final|invalid_call|no_call|max_calls|max_tokens> {count, rate}
+        mechanisms/<T1|T2|T3|T4|other_invalid> {count, rate}
+        type_errors {total, calls_validated, per_call_mean, max_per_call, coercible, calls_with_type_errors}
+        n_episodes, n_questions, tokens_mean
+    /models/<model>/slices/<slice>/<schema_variant>/repair/<answer_agreement|tool_execution_rate>
+                                 contrast (auto_constrained − auto): delta, ci95, p, n_units, ...
+    /published   the paper's Table 7 block (release file), for comparison only
+    /timing      seconds per model {closed_book, episodes (runtime load included), total}, and
+                 /timing/constrained_decoding/<model>: the grammar's measured cost (mask_ms_per_token,
+                 ms_per_token_all_in, mask_share, tokens, ...); machine-dependent, like every timing
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from .. import elicitation, models, progress
+from ..benchmark import load_benchmark, select_questions
+from ..cache import canonical_json, sha256_text
+from ..config import ConfigError, MemtocError, ordered_subset, resolve_release_dir, section_params
+from ..config import run_dir as run_dir_of
+from ..figures import save as save_figure
+from ..io import write_json
+from ..prompts import error_payload, value_output
+from ..vocab import FORMULATIONS
+from .metrics import METRIC_DOC, SLICES, episodes_frame, in_slice, summarize_model, summary_table
+from .protocols import PROTOCOLS, EpisodeSpec, run_episodes
+from .runtime import JSON_OPTIONS, RUNTIMES, Runtime, constrained_library, make_runtime
+from .tools import SCHEMA_VARIANTS, episode_schema
+from .traces import Trace
+
+SCHEMA_VERSION = 1
+CONDITIONS = ("tool_wrong", "tool_right", "tool_error")
+PUBLISHED_FILE = "published_probes_agent_transfer.json"
+
+#: Every key of the ``agent`` parameter, with its default (params/*.yaml override; params/agent.yaml
+#: documents the paper-size run).
+AGENT_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
+    "models": None,                    # None: the run's models
+    "protocols": list(PROTOCOLS),
+    "slices": list(SLICES),
+    "n_questions": None,               # first n of the run's stratified selection (None: n_questions;
+                                       # 0 with memory_right_questions: only the memory-right slice)
+    "memory_right_questions": 0,       # plus up to k more per model: questions of the run's headline
+                                       # selection whose forced closed-book answer (02's file, first agent
+                                       # formulation) is correct - the paper's slice, tiny on small models
+    "formulations": None,              # None: the run's (base models: the run's base_formulations)
+    "schema_variants": ["release", "typed"],
+    "condition": "tool_wrong",
+    "max_calls": 1,                    # the paper's a1/a2/o1: one call
+    "max_tokens_per_call": 384,        # the release's agentic client default
+    "max_tokens_per_episode": 1536,    # the release's agentic output-token budget
+    "runtime": "transformers",         # transformers (in-process) | openai (any OpenAI-compatible server)
+    "runtime_options": {},             # transformers: device, dtype, batch_size, tool_format, ...;
+                                       # openai: base_url, api_key, served_model, server, honors_tool_choice, ...
+    "n_boot": None,                    # None: the run's n_boot
+}
+
+EMBEDDED_NOTES = {
+    "smollm2-135m-instruct": "smollm2-135m-instruct (135M parameters, chat, on a documented tool format it rarely follows)",
+    "gemma-3-270m": "gemma-3-270m (268M parameters, a base model continuing a raw transcript)",
+}
+CAVEAT_EMBEDDED = ("EMBEDDED-MODEL NUMBERS: {models} {verb} tiny and not trained for this agent loop. Every rate "
+                   "below checks the pipeline - rendering, parsing, constrained decoding, validation, execution, "
+                   "terminations, mechanisms, intervals - and says nothing about the paper's Table 7 (7-8B models "
+                   "on vLLM).")
+CAVEAT_GENERAL = ("Numbers of this run's models under memtoc's agent runtime; the paper's Table 7 is "
+                  "Llama-3.1-8B / Qwen2.5 / Mistral / Hermes-3 on vLLM 0.8.5 (see /published).")
+EMBEDDED_MODELS = tuple(EMBEDDED_NOTES)
+
+
+class AgentError(MemtocError):
+    """The agent stage cannot run as configured."""
+
+
+# ==================================================================================================
+# parameters
+
+def agent_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
+    """The resolved ``agent`` mapping (AGENT_DEFAULTS overlaid with ``P["agent"]``), validated; errors
+    name the field and the fix."""
+    a = section_params(P, "agent", AGENT_DEFAULTS, source)
+
+    def fail(key: str, msg: str) -> None:
+        raise ConfigError(f"{source}: field 'agent.{key}': {msg}")
+
+    if not isinstance(a["enabled"], bool):
+        fail("enabled", f"must be true or false, got {a['enabled']!r}")
+    run_models = list(P.get("models") or [])
+    if a["models"] is None:
+        a["models"] = run_models
+    elif isinstance(a["models"], str):
+        a["models"] = [a["models"]]
+    if not isinstance(a["models"], list) or not a["models"] or any(m not in run_models for m in a["models"]):
+        fail("models", f"must be null (the run's models) or a non-empty list drawn from the run's models {run_models}")
+    for key, valid in (("protocols", PROTOCOLS), ("slices", SLICES), ("schema_variants", SCHEMA_VARIANTS)):
+        got = ordered_subset(a[key], valid)
+        if got is None:
+            fail(key, f"must be a non-empty list drawn from {list(valid)}, got {a[key]!r}")
+        a[key] = got
+    forms = a["formulations"] if a["formulations"] is not None else list(P.get("formulations") or FORMULATIONS)
+    got = ordered_subset(forms, FORMULATIONS)
+    if got is None:
+        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
+    a["formulations"] = got
+    n = a["n_questions"]
+    if n is None:
+        a["n_questions"] = int(P.get("n_questions") or 1)
+    elif not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        fail("n_questions", f"must be null (the run's n_questions) or a non-negative integer, got {n!r}")
+    k = a["memory_right_questions"]
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        fail("memory_right_questions", f"must be a non-negative integer, got {k!r}")
+    if a["n_questions"] + k < 1:
+        fail("n_questions", "and memory_right_questions are both 0: no question to run (n_questions 0 with "
+                            "memory_right_questions k runs only the paper's memory-right slice)")
+    if a["condition"] not in CONDITIONS:
+        fail("condition", f"must be one of {list(CONDITIONS)}, got {a['condition']!r}")
+    for key in ("max_calls", "max_tokens_per_call", "max_tokens_per_episode"):
+        v = a[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            fail(key, f"must be a positive integer, got {v!r}")
+    if a["max_tokens_per_episode"] < a["max_tokens_per_call"]:
+        fail("max_tokens_per_episode", f"must be at least max_tokens_per_call ({a['max_tokens_per_call']})")
+    if a["runtime"] not in RUNTIMES:
+        fail("runtime", f"must be one of {list(RUNTIMES)}, got {a['runtime']!r}")
+    if not isinstance(a["runtime_options"], dict):
+        fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
+    nb = a["n_boot"]
+    if nb is None:
+        a["n_boot"] = int(P.get("n_boot") or 1000)
+    elif not isinstance(nb, int) or isinstance(nb, bool) or nb < 1:
+        fail("n_boot", f"must be null (the run's n_boot) or a positive integer, got {nb!r}")
+    return a
+
+
+#: model requests per episode at most (guided: call + answer; two_stage: decision + call + answer; oracle:
+#: the answer; auto_constrained shares auto's free turn, plus its constrained call and answer)
+REQUESTS_MAX = {"guided": 2, "auto": 2, "two_stage": 3, "oracle": 1, "auto_constrained": 2}
+
+
+def planned_requests(P: dict[str, Any], model: str) -> dict[str, int]:
+    """Notebook 07's work for ``model`` without running it (``memtoc run --dry-run``): episodes and
+    model requests at most (every memory-right addition counted; 02's cached closed-book answers not)."""
+    a = agent_params(P)
+    if model not in a["models"]:
+        return {"episodes": 0, "requests_max": 0}
+    per_q = len(formulations_of(P, a, model)) * len(a["schema_variants"])
+    n = a["n_questions"] + min(a["memory_right_questions"], int(P.get("n_questions") or 0))   # at most
+    return {"episodes": n * per_q * len(a["protocols"]),
+            "requests_max": n * per_q * sum(REQUESTS_MAX[p] for p in a["protocols"])}
+
+
+def formulations_of(P: dict[str, Any], a: dict[str, Any], model: str) -> list[str]:
+    """The agent formulations a model runs on (base models: the run's base_formulations)."""
+    return models.formulations_for(model, a["formulations"], P.get("base_formulations"))
+
+
+# ==================================================================================================
+# episodes
+
+def observation(question, condition: str) -> tuple[Optional[str], Any]:
+    """(tool value, frozen tool return) of a question under a condition (PROTOCOL §7)."""
+    if condition == "tool_wrong":
+        return question.near, value_output(question.near)
+    if condition == "tool_right":
+        return question.gold, value_output(question.gold)
+    return None, error_payload()
+
+
+def questions_for(P: dict[str, Any], a: dict[str, Any], model: str, bench, formulations: Sequence[str]) -> list:
+    """The agent questions of a model: the first ``agent.n_questions`` of the run's stratified
+    selection, then up to ``agent.memory_right_questions`` further questions of the run's headline
+    selection that notebook 02 found memory-right for this model (forced, the first agent
+    formulation), in selection order; none when 02's file is absent."""
+    base = select_questions(bench.analysis, a["n_questions"], P.get("seed"))
+    k = a["memory_right_questions"]
+    if not k:
+        return base
+    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
+    try:
+        mem = elicitation.load_memory(rd, model, "forced")
+    except MemtocError:
+        return base
+    mem = mem[mem["formulation"] == formulations[0]]
+    right = {q for q, c, ab in zip(mem["qkey"], mem["memory_correct"], mem["mem_absent"])
+             if c is not None and not pd.isna(c) and bool(c) and not bool(ab)}
+    have = {q.qkey for q in base}
+    pool = select_questions(bench.analysis, max(int(P.get("n_questions") or 0), a["n_questions"]), P.get("seed"))
+    return base + [q for q in pool if q.qkey in right and q.qkey not in have][:k]
+
+
+def memory_for(P: dict[str, Any], model: str, questions, formulations: Sequence[str]) -> pd.DataFrame:
+    """Forced closed-book answers of ``model`` on the agent's questions, through the run's generator
+    and cache (served by notebook 02's cache when it ran); written under ``agent/<model>/``."""
+    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
+    gen = models.load_generator(model, backend=P["backend"], batch_size=P["batch_size"], dtype=P["dtype"],
+                                max_new_tokens=P["max_new_tokens"], model_cache_dir=P.get("model_cache_dir"),
+                                **(P.get("backend_options") or {}))
+    try:
+        return elicitation.elicit(gen, model, questions, formulations, "forced", rd, matcher=P.get("matcher", "paper"),
+                                  scored_file=rd / "agent" / model / "closed_book_forced.jsonl")
+    finally:
+        gen.close()
+
+
+def runtime_key(rt: Runtime) -> str:
+    """What the runtime's replies depend on (a changed runtime makes new episode keys)."""
+    if hasattr(rt, "gen"):
+        ident: Any = {"generator": rt.gen.identity, "tool_format": rt.format.name, "chat": rt.chat_model,
+                      "constrained": constrained_library(), "json_options": JSON_OPTIONS}
+    else:
+        ident = getattr(rt, "identity", rt.describe())
+    return sha256_text(canonical_json(ident))[:16]
+
+
+def build_specs(model: str, questions, memory: pd.DataFrame, a: dict[str, Any], formulations: Sequence[str],
+                runtime: str, matcher: str = "paper") -> list[EpisodeSpec]:
+    """One EpisodeSpec per question × formulation × schema variant × protocol (that order)."""
+    mem = {(r.formulation, r.qkey): r for r in memory.itertuples()}
+    specs = []
+    for q in questions:
+        tool_value, obs = observation(q, a["condition"])
+        for form in formulations:
+            m = mem.get((form, q.qkey))
+            span = "" if m is None or not isinstance(m.span, str) else m.span
+            mc = None if m is None or pd.isna(m.memory_correct) else bool(m.memory_correct)
+            absent = True if m is None else bool(m.mem_absent)
+            for variant in a["schema_variants"]:
+                schema, kind = episode_schema(q, variant)
+                for p in a["protocols"]:
+                    specs.append(EpisodeSpec(
+                        model=model, protocol=p, formulation=form, schema_variant=variant, schema_kind=kind,
+                        question_id=q.id, qkey=q.qkey, instance_id=q.instance_id, question=q.question, gold=q.gold,
+                        gold_kind=q.gold_kind, condition=a["condition"], tool_value=tool_value, observation=obs,
+                        schema=schema, memory_span=span, memory_correct=mc, mem_absent=absent,
+                        max_calls=a["max_calls"], max_tokens_per_call=a["max_tokens_per_call"],
+                        max_tokens_per_episode=a["max_tokens_per_episode"], matcher=matcher, runtime=runtime))
+    return specs
+
+
+def runtime_for(P: dict[str, Any], a: dict[str, Any], model: str) -> Runtime:
+    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
+    opts = dict(a["runtime_options"] or {})
+    if a["runtime"] == "transformers":
+        opts.setdefault("model_cache_dir", P.get("model_cache_dir"))
+        opts.setdefault("batch_size", P.get("batch_size", "auto"))
+        opts.setdefault("dtype", P.get("dtype", "auto"))
+    rt = make_runtime(a["runtime"], model, a["max_tokens_per_call"], cache_dir=rd / "agent" / model / "cache", **opts)
+    rt.check_protocols(a["protocols"])
+    return rt
+
+
+def published_block(release_dir: Optional[str]) -> Optional[dict]:
+    """The paper's App. G block (Table 7, mechanisms, repair) from the release, or None."""
+    try:
+        path = resolve_release_dir(release_dir) / PUBLISHED_FILE
+        return json.loads(path.read_text(encoding="utf-8")).get("agent_table7")
+    except (MemtocError, OSError, ValueError):
+        return None
+
+
+def caveat(model_names: Sequence[str]) -> str:
+    """What the run's numbers are (the embedded models' caveat, printed with every number of 07)."""
+    emb = [EMBEDDED_NOTES[m] for m in model_names if m in EMBEDDED_NOTES]
+    if not emb:
+        return CAVEAT_GENERAL
+    out = CAVEAT_EMBEDDED.format(models=" and ".join(emb), verb="are" if len(emb) > 1 else "is")
+    return out + (" " + CAVEAT_GENERAL if len(emb) < len(model_names) else "")
+
+
+# ==================================================================================================
+# the stage
+
+def summary_head(a: dict[str, Any]) -> dict[str, Any]:
+    """The summary document before any model: caveat, config, metric definitions."""
+    return {"schema_version": SCHEMA_VERSION, "caveat": caveat(a["models"]), "config": a, "metrics": METRIC_DOC,
+            "constrained_decoding": None, "models": {}, "timing": {}}
+
+
+def model_block(records: list[dict], a: dict[str, Any], formulations: Sequence[str], n_questions: int,
+                runtime: dict[str, Any], resume: dict[str, Any], n_perm: int = 10000) -> dict[str, Any]:
+    """``/models/<model>`` of the summary from a model's episode records (see the module docstring)."""
+    df = episodes_frame(records)
+    right = in_slice(df, "memory_right") if len(df) else df
+    mr = {f: int(right.loc[right["formulation"] == f, "qkey"].nunique()) if len(right) else 0 for f in formulations}
+    return {"runtime": runtime,
+            "support": {"questions": n_questions, "memory_right_added": n_questions - a["n_questions"],
+                        "formulations": list(formulations), "memory_right": mr, "episodes": len(records),
+                        "protocols": a["protocols"], "schema_variants": a["schema_variants"]},
+            "resumed": resume,
+            "slices": summarize_model(df, formulations, a["slices"], a["protocols"], n_boot=a["n_boot"],
+                                      n_perm=n_perm, seed=0)}
+
+
+def run(P: dict[str, Any], show_progress: bool = True, log=print) -> dict[str, Any]:
+    """Notebook 07's work (see the module docstring); returns the summary written to
+    ``summaries/agent.json``."""
+    a = agent_params(P)
+    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
+    bench = load_benchmark(P.get("release_dir"))
+    summary = summary_head(a)
+    costs: dict[str, Any] = {}
+    for model in a["models"]:
+        t0 = time.time()
+        forms = formulations_of(P, a, model)
+        questions = questions_for(P, a, model, bench, forms)
+        memory = memory_for(P, model, questions, forms)
+        t_mem = time.time()
+        rt = runtime_for(P, a, model)
+        try:
+            specs = build_specs(model, questions, memory, a, forms, runtime_key(rt), P.get("matcher", "paper"))
+            trace = Trace(rd / "agent" / model / "traces.jsonl")
+            started = time.time()
+
+            def report(done: int, total: int) -> None:
+                if show_progress:
+                    progress.report(f"{model} agent episodes", done, total, started, unit="episodes")
+
+            res = run_episodes(rt, specs, trace, progress=report)
+            desc = {k: v for k, v in rt.describe().items() if k != "constrained_cost"}
+            summary["models"][model] = model_block(res["records"], a, forms, len(questions), desc,
+                                                   dict(res["resume"], ran=res["ran"]), int(P.get("n_perm", 10000)))
+            cost = getattr(rt, "constrained_stats", None)
+            if cost:
+                costs[model] = cost
+            log(f"{model}: {len(specs)} episodes ({res['ran']} run now, {res['resume']['finished']} finished before) "
+                f"in {time.time() - t0:.1f} s")
+        finally:
+            rt.close()
+        summary["timing"][model] = {"closed_book": round(t_mem - t0, 1), "episodes": round(time.time() - t_mem, 1),
+                                    "total": round(time.time() - t0, 1)}
+    if a["runtime"] == "transformers":
+        summary["constrained_decoding"] = dict(constrained_library(), json_options=JSON_OPTIONS)
+        summary["timing"]["constrained_decoding"] = costs       # measured cost per model (machine-dependent)
+    summary["published"] = published_block(P.get("release_dir"))
+    write_json(rd / "summaries" / "agent.json", summary)
+    return summary
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / "summaries" / "agent.json"
+    if not path.is_file():
+        raise AgentError(f"{path} does not exist: run notebook 07_agent_loop first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def episodes(run_dir: str | Path, model: str) -> pd.DataFrame:
+    """The run's episode records of a model (the trace's termination events)."""
+    return episodes_frame(Trace(Path(run_dir) / "agent" / model / "traces.jsonl").terminations())
+
+
+# ==================================================================================================
+# the figure
+
+def plot(summary: dict, path: str | Path, slice_name: str = "all") -> Path:
+    """Agreement vs execution per protocol (pooled over formulations; 95% intervals), one panel per
+    schema variant, one marker per model; the diagonal is agreement = execution."""
+    tab = summary_table(summary, slice_name)
+    variants = sorted(tab["schema"].unique()) if len(tab) else ["release"]
+    fig, axes = plt.subplots(1, len(variants), figsize=(5.2 * len(variants), 4.6), squeeze=False)
+    markers = ["o", "s", "^", "D", "v", "P"]
+    colors = dict(zip(PROTOCOLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for ax, variant in zip(axes[0], variants):
+        sub = tab[tab["schema"] == variant] if len(tab) else tab
+        ax.plot([0, 1], [0, 1], color="0.8", lw=1, zorder=0)
+        for k, model in enumerate(sub["model"].unique() if len(sub) else []):
+            for _, r in sub[sub["model"] == model].iterrows():
+                if r["agreement"] is None or r["execution"] is None:
+                    continue
+                xe = [[max(0, r["execution"] - (r["exe_lo"] if r["exe_lo"] is not None else r["execution"]))],
+                      [max(0, (r["exe_hi"] if r["exe_hi"] is not None else r["execution"]) - r["execution"])]]
+                ye = [[max(0, r["agreement"] - (r["agr_lo"] if r["agr_lo"] is not None else r["agreement"]))],
+                      [max(0, (r["agr_hi"] if r["agr_hi"] is not None else r["agreement"]) - r["agreement"])]]
+                dx = 0.012 * (PROTOCOLS.index(r["protocol"]) - 2) if r["protocol"] in PROTOCOLS else 0.0
+                ax.errorbar(r["execution"] + dx, r["agreement"] + dx, xerr=xe, yerr=ye, fmt=markers[k % len(markers)],
+                            color=colors.get(r["protocol"]), ms=7, capsize=2, alpha=0.85,
+                            label=f"{model} · {r['protocol']}")
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("tool-execution rate")
+        ax.set_ylabel("answer agreement with the executed return")
+        ax.set_title(f"schema: {variant} · slice: {slice_name}", fontsize=10)
+        ax.grid(alpha=0.3)
+    h, lab = axes[0][0].get_legend_handles_labels()
+    if h:
+        fig.legend(h, lab, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Agent loop: agreement vs execution per protocol (pooled, 95% question-cluster intervals)",
+                 fontsize=11)
+    note = "points offset by up to ±0.024 per protocol so that equal values stay visible"
+    if any(m in EMBEDDED_NOTES for m in (summary.get("models") or {})):
+        note += "; embedded models: a pipeline check, not the paper's Table 7 (see the caveat)"
+    fig.text(0.01, -0.02, note, fontsize=7, color="0.35")
+    fig.tight_layout()
+    return save_figure(fig, path)
