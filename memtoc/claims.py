@@ -12,7 +12,8 @@ The registry (``paper/claims.yaml``) lists claims. A claim has
 ``foreach``    optional mapping ``var -> domain``; a domain is a literal list, or
                ``{file, pointer}`` whose mapping keys (those whose values are mappings, unless
                ``mappings_only: false``) or list items are the values, optionally
-               ``{..., exclude: [..]}``. Later domains may use earlier variables; a value that
+               ``{..., exclude: [..]}``, ``{..., missing_ok: true}`` (a missing pointer gives no
+               values instead of an omission). Later domains may use earlier variables; a value that
                starts with "/" is inserted into pointers as a pointer fragment (not escaped).
 ``section``    report section; ``table`` (optional) ``{name, row, col}`` places the claim in a table
 ``required``   default true: a required claim whose file/pointer is missing stops the report;
@@ -313,7 +314,12 @@ def _domain(spec: Any, env: dict[str, Any], files: _Files, where: str) -> list[A
         return [{"key": m.name, "col": m.column, "name": m.label} for m in specs]
     if isinstance(spec, dict) and "pointer" in spec:
         rel = _fill(spec.get("file", ""), env)
-        node = files.get(rel, _fill(spec["pointer"], env, escape=True))
+        try:
+            node = files.get(rel, _fill(spec["pointer"], env, escape=True))
+        except ClaimError:
+            if spec.get("missing_ok"):   # a section that exists only in some runs: no claims, no omission
+                return []
+            raise
         if isinstance(node, dict):   # the keys whose values are mappings (skips counts, labels)
             vals = [k for k, v in node.items() if not str(k).startswith("_")
                     and (isinstance(v, dict) or not spec.get("mappings_only", True))]
