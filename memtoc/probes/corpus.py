@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pydoc_data import topics
+
 from ..config import ConfigError
 
 BUILTIN = "builtin"
@@ -42,7 +44,6 @@ def load_corpus(spec: str = BUILTIN, min_chars: int = 200) -> tuple[list[str], C
     """(documents, info) of ``builtin`` or a text file; documents shorter than ``min_chars`` are
     dropped, order is fixed (the file's, or the sorted topic names)."""
     if spec == BUILTIN:
-        from pydoc_data import topics
         docs = [_clean(topics.topics[k]) for k in sorted(topics.topics)]
         name, source = BUILTIN_NAME, BUILTIN
         note = (f"Python {sys.version_info.major}.{sys.version_info.minor} reference documentation text "

@@ -27,6 +27,7 @@ import torch
 
 from ..backends.base import Generator, Reply, line_stop
 from ..backends.hf import cache_keyword
+from ..render import render_prompt
 from ..scoring import has_final_line, score_reply
 from ..stats import clopper_pearson
 from .hfmodel import LoadedModel, layer_hooks
@@ -84,8 +85,7 @@ def char_span_positions(offsets: Sequence[tuple[int, int]], start: int, end: int
 
 def edit_positions(lm: LoadedModel, prompt: str, position: str, span_text: Optional[str]) -> tuple[list[int], list[int]]:
     """(token ids of the rendered prompt, positions to edit)."""
-    from .. import models
-    text, add_special = models.render_prompt(lm.tokenizer, lm.spec, prompt)
+    text, add_special = render_prompt(lm.tokenizer, lm.spec, prompt)
     enc = lm.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     if position == "last":

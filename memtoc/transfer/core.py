@@ -58,7 +58,7 @@ import pandas as pd
 
 from .. import analyses, elicitation, evaluation, finetune, models, prompts
 from ..benchmark import load_benchmark, select_questions
-from ..config import (FORMULATIONS, PAPER_SEED, ConfigError, MemtocError, check_choice, ordered_subset,
+from ..config import (DEFAULTS, FORMULATIONS, ConfigError, MemtocError, check_choice, ordered_subset,
                       resolve_release_dir, section_params)
 from ..config import run_dir as run_dir_of
 from ..metrics import definitions, paired_units
@@ -416,8 +416,8 @@ def check_no_memtoc_leak(examples: Sequence[finetune.TrainExample], questions: S
 # the stage (I/O and models)
 
 def _gen_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
-    return dict(backend=P.get("backend", "transformers"), batch_size=P.get("batch_size", "auto"),
-                dtype=ft["eval_dtype"] or P.get("dtype", "auto"), max_new_tokens=P.get("max_new_tokens", 48),
+    return dict(backend=P.get("backend", DEFAULTS["backend"]), batch_size=P.get("batch_size", DEFAULTS["batch_size"]),
+                dtype=ft["eval_dtype"] or P.get("dtype", DEFAULTS["dtype"]), max_new_tokens=P.get("max_new_tokens", DEFAULTS["max_new_tokens"]),
                 model_cache_dir=P.get("model_cache_dir"), **(P.get("backend_options") or {}))
 
 
@@ -460,7 +460,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
                             f"(frames {tr['frames']}, verified_only {tr['verified_only']}, n_counterfactual "
                             f"{tr['n_counterfactual']})")
     forms, frames = tr["formulations"], tr["frames"]
-    n_boot, n_perm, alpha = P.get("n_boot", 2000), P.get("n_perm", 10000), P.get("alpha", 0.05)
+    n_boot, n_perm, alpha = P.get("n_boot", DEFAULTS["n_boot"]), P.get("n_perm", DEFAULTS["n_perm"]), P.get("alpha", DEFAULTS["alpha"])
     episodes = build_episodes(cf, un, forms, frames)
     adapter_root = Path(tr["adapters_from"]) if tr["adapters_from"] else run_dir
     caveat = ("Numbers from the run's models on " + (info["note"] if info["plumbing"] else f"the set {info['path']}")
@@ -488,7 +488,7 @@ def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
                 rq, r_sel = reverse_eval_questions(bench, P, tr, label)
                 r_eps = finetune.eval_episodes(rq, list(P.get("formulations") or FORMULATIONS), ft["eval_conditions"])
                 memory = evaluation.ensure_memory(gen, label, bench, r_eps, P)
-                r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", "paper"))
+                r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", DEFAULTS["matcher"]))
         finally:
             finetune.close_generator(gen)
         timing[f"{model}/untreated"] = round(time.time() - t1, 1)
@@ -544,10 +544,10 @@ def reverse_eval_questions(bench, P: dict[str, Any], tr: dict[str, Any], label: 
     (notebook 02's file, when present) first, so that retention (arb cell) has units at small sizes.
     Both arms are scored on the same questions, so the comparison stays paired; the population is
     stated in ``eval_selection``."""
-    sel = select_questions(bench.analysis, P["n_questions"], P.get("seed", PAPER_SEED))
+    sel = select_questions(bench.analysis, P["n_questions"], P.get("seed", DEFAULTS["seed"]))
     n = tr["reverse_eval_questions"]
     try:
-        mem = elicitation.load_memory(P["run_dir"], label, P.get("closed_book_variant", "forced"))
+        mem = elicitation.load_memory(P["run_dir"], label, P.get("closed_book_variant", DEFAULTS["closed_book_variant"]))
     except MemtocError:
         return sel[:n], "the first questions of the run's headline selection (no closed-book file of notebook 02)"
     right = set(mem.loc[mem["memory_correct"].astype(object).eq(True), "qkey"])
@@ -577,10 +577,10 @@ def reverse(P, tr, ft, cf_items, bench, model, r_questions, r_eps, memory, r_bas
     rec = finetune.train_adapter(base_path, spec, examples, "dpo", rft, path, progress=progress)
     forms = [f for f in FORMULATIONS if any(e.formulation == f for e in r_eps)]
     treated, own = finetune.evaluate_adapter(model, path, f"{model}__{REVERSE_OBJECTIVE}", r_questions, r_eps, forms,
-                                             run_dir, gen_kw, P.get("closed_book_variant", "forced"),
-                                             P.get("matcher", "paper"))
-    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", 2000),
-                                 n_perm=P.get("n_perm", 10000), seed=0, alpha=P.get("alpha", 0.05))
+                                             run_dir, gen_kw, P.get("closed_book_variant", DEFAULTS["closed_book_variant"]),
+                                             P.get("matcher", DEFAULTS["matcher"]))
+    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", DEFAULTS["n_boot"]),
+                                 n_perm=P.get("n_perm", DEFAULTS["n_perm"]), seed=0, alpha=P.get("alpha", DEFAULTS["alpha"]))
     res["closed_book"] = finetune.closed_book_counts(own, memory)
     return {"adapter": str(path), "leak_check": leak, "n_examples": len(examples),
             "eval_questions": len({e.qkey for e in r_eps}), "n_episodes": int(len(treated)),
