@@ -25,8 +25,8 @@ def test_final_line_done(text, done):
 
 
 def test_truncate_after_final():
-    assert base.truncate_after_final("a\nFINAL: X\nFINAL: Y\n") == "a\nFINAL: X\n"
-    assert base.truncate_after_final("no final") == "no final"
+    assert base.truncate_reply("a\nFINAL: X\nFINAL: Y\n", True, False) == ("a\nFINAL: X\n", "final_line")
+    assert base.truncate_reply("no final", True, False) == ("no final", None)
 
 
 def _plan(batch_size, lengths, budget=1000, max_batch=64, new=10):

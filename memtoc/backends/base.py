@@ -52,12 +52,6 @@ def final_line_done(text: str) -> bool:
     return _FINAL_DONE.search(text) is not None
 
 
-def truncate_after_final(text: str) -> str:
-    """Cut the text after the first completed FINAL line (keeps its newline)."""
-    m = _FINAL_DONE.search(text)
-    return text[: m.end()] if m else text
-
-
 # A completed first line: leading blank lines skipped, then a non-empty line and its newline (the
 # paper's completions default for base models, stop=["\n"], without stopping on a leading newline).
 _FIRST_LINE_DONE = re.compile(r"\A\s*\S[^\n]*\n")
