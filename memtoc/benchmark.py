@@ -4,13 +4,12 @@ Two release layouts are read:
 
 * ``compact`` (``../shared/memtoc-release``): ``questions_575.jsonl``, ``qc_lists.json``,
   ``repair_overlay_39.json``.
-* ``official`` (the public MemToC release): ``results/construction/distractor_mapping_575.json``
-  (the frozen ``final_near`` / ``far`` values), ``benchmark/{reference,paraphrase_a,paraphrase_b}.json``
-  (episode files, which carry the real ToolHop tool schemas), the QC lists
-  (``results/quality_control/analysis_set_lists.json``) and the repair overlay
-  (``benchmark/repair_overlay*.json``). The exact shape of those files is not visible here, so the
-  reader is tolerant: a list of records or a mapping holding one, common field-name aliases, and
-  the QC/overlay files are searched for by name anywhere under the release directory.
+* ``official`` (the public MemToC release): the question table ``rows`` of
+  ``results/construction/distractor_mapping_575.json``, the ToolHop tool schemas of the episode files
+  ``benchmark/{reference,paraphrase_a,paraphrase_b}.json``, the QC lists
+  ``results/quality_control/analysis_set_lists.json``, and the repairs from
+  ``results/quality_control/repair_list_39.json`` and/or ``benchmark/repair_overlay/<formulation>.json``
+  (cross-checked). Paths and shapes: :mod:`memtoc.official`.
 
 The evaluated benchmark is the table with the repair overlay applied: ``Question.near`` is the
 repaired value for the 39 REPAIR questions and ``Question.near_original`` keeps the table's value.
@@ -35,6 +34,8 @@ from typing import Any, Iterable, Optional
 from .config import FORMULATIONS, PAPER_SEED, DataError, resolve_release_dir
 from .jsonl import json_lines
 from .episodes import build_episodes
+from . import official
+from .official import read_json
 from .records import Question
 from .selection import select_questions  # noqa: F401  (part of this module's API)
 from .vocab import CORE_CONDITIONS
@@ -44,7 +45,7 @@ FOLDS_FILE = "crossfit_folds.json"
 #: The release's fold names -> memtoc's fold numbers.
 FROZEN_FOLD_NAMES = {"A": 0, "B": 1}
 FOLD_MODES = ("frozen", "rule")
-OFFICIAL_MAPPING = Path("results/construction/distractor_mapping_575.json")
+OFFICIAL_MAPPING = official.MAPPING
 HUMAN_SOURCES = ("dual_human_adjudication",)
 HUMAN_METHODS = ("human_authorized",)
 
@@ -124,15 +125,6 @@ class Benchmark:
 
 # ----------------------------------------------------------------------------------------------
 # Reading helpers
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e}") from None
-
 
 def _records(obj: Any, path: Path, keys: Iterable[str] = ("rows", "records", "items", "data", "mapping",
                                                            "questions", "episodes", "repairs")) -> list[dict]:
@@ -260,7 +252,7 @@ def read_question_table(path: Path) -> list[Question]:
 
 
 def _read_qc(path: Path) -> tuple[list[str], list[str]]:
-    obj = _read_json(path)
+    obj = read_json(path)
     if not isinstance(obj, dict):
         raise DataError(f"{path}: expected a JSON object with 'exclude_qkeys' and 'repair_qkeys'")
     out = []
@@ -273,7 +265,7 @@ def _read_qc(path: Path) -> tuple[list[str], list[str]]:
 
 
 def _read_overlay(path: Path) -> dict[str, dict]:
-    obj = _read_json(path)
+    obj = read_json(path)
     if isinstance(obj, dict) and obj and all(isinstance(v, str) for v in obj.values()):
         return {k: {"qkey": k, "new_near": v} for k, v in obj.items()}
     out = {}
@@ -315,11 +307,12 @@ def _apply_qc(questions: list[Question], exclude: list[str], repair: list[str],
 def read_frozen_folds(path: Path) -> dict[int, tuple[int, frozenset[str]]]:
     """The release's frozen split: ``{instance_id: (fold 0 | 1, the chain's qkeys)}`` from
     ``crossfit_folds.json`` (``assignments``: instance_id, fold ``A`` | ``B``, qkeys)."""
-    obj = _read_json(path)
+    obj = read_json(path)
     recs = obj.get("assignments") if isinstance(obj, dict) else None
     if not isinstance(recs, list):
         raise DataError(f"{path}: expected a JSON object with an 'assignments' list "
                         "(instance_id, fold A|B, qkeys), as in the release's crossfit_folds.json")
+    official.check_complete(obj, path, "assignments", "n_instances")
     out: dict[int, tuple[int, frozenset[str]]] = {}
     for i, r in enumerate(recs):
         inst, fold, qkeys = (r.get("instance_id"), r.get("fold"), r.get("qkeys")) if isinstance(r, dict) else (None,) * 3
@@ -354,13 +347,13 @@ def resolve_folds(questions: Iterable[Question], frozen: Optional[dict[int, tupl
     return folds, {"frozen_chains": len(by_chain) - n_rule, "rule_chains": n_rule}
 
 
-def _with_folds(questions: list[Question], root: Path, files: dict[str, str], mode: str = "frozen",
-                seed: int = PAPER_SEED) -> tuple[list[Question], dict[str, Any]]:
+def _with_folds(questions: list[Question], folds_file: Optional[Path], files: dict[str, str],
+                mode: str = "frozen", seed: int = PAPER_SEED) -> tuple[list[Question], dict[str, Any]]:
+    """Set each question's fold: the frozen split of ``folds_file`` (None: none) where it covers a
+    chain, the rule elsewhere; ``mode="rule"``: the rule for every chain."""
     if mode not in FOLD_MODES:
         raise DataError(f"folds must be one of {list(FOLD_MODES)}, got {mode!r}")
-    path = None
-    if mode == "frozen":
-        path = root / FOLDS_FILE if (root / FOLDS_FILE).is_file() else _find_one(root, ("crossfit_folds*.json",))
+    path = folds_file if mode == "frozen" else None
     frozen = read_frozen_folds(path) if path is not None else None
     if path is not None:
         files["folds"] = str(path)
@@ -385,49 +378,9 @@ def _load_compact(root: Path, folds: str = "frozen") -> Benchmark:
     exclude, repair = _read_qc(paths["qc_lists.json"])
     overlay = _read_overlay(paths["repair_overlay_39.json"])
     qs = _apply_qc(qs, exclude, repair, overlay, files)
-    qs, source = _with_folds(qs, root, files, folds)
+    folds_file = root / FOLDS_FILE if (root / FOLDS_FILE).is_file() else _find_one(root, ("crossfit_folds*.json",))
+    qs, source = _with_folds(qs, folds_file, files, folds)
     return Benchmark(questions=qs, release_dir=root, layout="compact", files=files, folds_source=source)
-
-
-_EPISODE_ID = re.compile(r"^(\d+)-(\d+)-([a-z_]+)-v(\d+)$")
-
-
-def _episode_schemas(root: Path, files: dict[str, str]) -> tuple[dict[tuple[int, int], dict], dict[tuple[int, int], dict]]:
-    """ToolHop schemas (and question fields) per (instance, hop) from the official episode files."""
-    schemas: dict[tuple[int, int], dict] = {}
-    fields: dict[tuple[int, int], dict] = {}
-    for form in FORMULATIONS:
-        path = next((p for p in (root / "benchmark" / f"{form}.json", root / "benchmark" / f"{form}.jsonl")
-                     if p.is_file()), None)
-        if path is None:
-            continue
-        files[f"episodes_{form}"] = str(path)
-        if path.suffix == ".jsonl":
-            recs = [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-        else:
-            recs = _records(_read_json(path), path)
-        for i, ep in enumerate(recs):
-            inst, hop = ep.get("instance_id", ep.get("instance")), ep.get("hop_idx", ep.get("hop"))
-            if inst is None or hop is None:
-                m = _EPISODE_ID.match(str(ep.get("episode_id", "")))
-                if not m:
-                    raise DataError(f"{path}: episode {i}: needs 'instance_id' and 'hop_idx' or an episode_id "
-                                    "like '12-0-tool_right-v0'")
-                inst, hop = m.group(1), m.group(2)
-            key = (int(inst), int(hop))
-            sch = _get(ep, ("tool_schema", "schema", "tool"), None)
-            if isinstance(sch, str):
-                try:
-                    sch = json.loads(sch)
-                except json.JSONDecodeError:
-                    sch = None
-            if isinstance(sch, dict) and key not in schemas:
-                schemas[key] = sch
-            fields.setdefault(key, {})
-            for k in ("question", "gold_answer", "gold", "answer", "qkey", "gold_kind", "family"):
-                if k in ep and ep[k] is not None:
-                    fields[key].setdefault(k, ep[k])
-    return schemas, fields
 
 
 def _find_one(root: Path, patterns: Iterable[str]) -> Optional[Path]:
@@ -439,47 +392,32 @@ def _find_one(root: Path, patterns: Iterable[str]) -> Optional[Path]:
 
 
 def _load_official(root: Path, folds: str = "frozen") -> Benchmark:
-    mpath = root / OFFICIAL_MAPPING
+    mpath = root / official.MAPPING
     files = {"table": str(mpath)}
-    schemas, ep_fields = _episode_schemas(root, files)
-    rows = _records(_read_json(mpath), mpath)
-    qs = []
+    rows = official.read_mapping_rows(mpath)
+    schemas, shown = official.episode_schemas(root, files)
+    qs: list[Question] = []
+    seen: dict[str, int] = {}
     for i, row in enumerate(rows):
-        where = f"{mpath}, record {i}"
-        row = dict(row)
-        key_field = row.pop("_key", None)           # the mapping was keyed by id or by qkey
-        if key_field is not None:
-            if re.match(r"^\d+[.-]\d+$", str(key_field)):
-                row.setdefault("id", str(key_field))
-            else:
-                row.setdefault("qkey", str(key_field))
-        if "instance_id" not in row and "instance" not in row:
-            # ids like "12.0" or "12-0"
-            m = re.match(r"^(\d+)[.-](\d+)$", str(row.get("id", "")))
-            if m:
-                row["instance_id"], row["hop_idx"] = int(m.group(1)), int(m.group(2))
-        try:
-            key = (int(_get(row, _ALIASES["instance_id"])), int(_get(row, _ALIASES["hop_idx"])))
-        except (KeyError, TypeError, ValueError):
-            key = None
-        if key is not None:
-            for k, v in ep_fields.get(key, {}).items():
-                row.setdefault(k, v)
-        qs.append(_question_from_row(row, where, schema=schemas.get(key) if key else None))
-        first = next((j for j, q in enumerate(qs[:-1]) if q.qkey == qs[-1].qkey), None)
-        if first is not None:
-            raise DataError(f"{where}: qkey {qs[-1].qkey!r} repeats record {first}; every question needs its own qkey")
-    qc = _find_one(root, ("analysis_set_lists*.json", "qc_lists*.json"))
-    overlay = _find_one(root, ("repair_overlay*.json",))
-    if qc is None or overlay is None:
-        raise DataError(f"official release at {root}: could not find "
-                        + " and ".join(n for n, p in (("the QC lists (results/quality_control/analysis_set_lists.json)", qc),
-                                                     ("the repair overlay (benchmark/repair_overlay*.json)", overlay)) if p is None)
-                        + "; they define the 542-question analysis set and the 39 repaired near values")
-    files.update(qc=str(qc), overlay=str(overlay))
+        where = f"{mpath}, rows[{i}]"
+        q = _question_from_row(row, where)
+        q = replace(q, schema=schemas.get((q.instance_id, q.hop_idx)))
+        if q.qkey in seen:
+            raise DataError(f"{where}: qkey {q.qkey!r} repeats rows[{seen[q.qkey]}]; every question needs its own "
+                            "qkey (remove or fix the duplicate)")
+        seen[q.qkey] = i
+        qs.append(q)
+    qc = root / official.QC_LISTS
+    if not qc.is_file():
+        raise DataError(f"official release at {root}: the QC lists {official.QC_LISTS} are missing; they define "
+                        "the 542-question analysis set and the 39 repaired questions (restore the release file)")
+    files["qc"] = str(qc)
     exclude, repair = _read_qc(qc)
-    qs = _apply_qc(qs, exclude, repair, _read_overlay(overlay), files)
-    qs, source = _with_folds(qs, root, files, folds)
+    repairs = official.read_repairs(root, repair, qc, files)
+    qs = _apply_qc(qs, exclude, repair, repairs, files)
+    official.check_episode_distractors(qs, shown, str(mpath))
+    folds_file = root / official.FOLDS
+    qs, source = _with_folds(qs, folds_file if folds_file.is_file() else None, files, folds)
     return Benchmark(questions=qs, release_dir=root, layout="official", files=files, folds_source=source)
 
 

@@ -1,10 +1,12 @@
 """Benchmark loading, counts, repairs, folds, selection, bad input, official layout."""
 import dataclasses
 import json
+import re
 import shutil
 from collections import Counter
 
 import pytest
+from official_release import build_official_release, default_sample_dir
 
 from memtoc import benchmark as bm
 from memtoc.config import PAPER_SEED, DataError, resolve_release_dir
@@ -173,63 +175,213 @@ def test_overlay_inconsistent_with_table_is_reported(release, tmp_path):
         bm.load_benchmark(d)
 
 
-def _official_fixture(release, tmp_path, n_chains=12, keyed=False):
-    """A small synthetic release in the official layout, built from the first chains of the table."""
-    rows = [json.loads(l) for l in (release / "questions_575.jsonl").read_text().splitlines()]
-    chains = sorted({r["instance_id"] for r in rows})[:n_chains]
-    rows = [r for r in rows if r["instance_id"] in chains]
-    qc = json.loads((release / "qc_lists.json").read_text())
-    keys = {r["qkey"] for r in rows}
-    overlay = [o for o in json.loads((release / "repair_overlay_39.json").read_text()) if o["qkey"] in keys]
-    root = tmp_path / "official"
-    (root / "results" / "construction").mkdir(parents=True)
-    (root / "results" / "quality_control").mkdir(parents=True)
-    (root / "benchmark").mkdir()
-    mapping = [{k: r[k] for k in ("qkey", "instance_id", "hop_idx", "gold_answer", "gold_kind", "family",
-                                  "final_near", "far", "source", "method")} for r in rows]
-    if keyed:  # a mapping keyed by qkey instead of a list
-        mapping = {m["qkey"]: {k: v for k, v in m.items() if k != "qkey"} for m in mapping}
-    (root / "results/construction/distractor_mapping_575.json").write_text(json.dumps(mapping))
-    (root / "results/quality_control/analysis_set_lists.json").write_text(json.dumps(
-        {"exclude_qkeys": [k for k in qc["exclude_qkeys"] if k in keys],
-         "repair_qkeys": [o["qkey"] for o in overlay]}))
-    (root / "benchmark/repair_overlay.json").write_text(json.dumps(overlay))
-    for pv, form in enumerate(("reference", "paraphrase_a", "paraphrase_b")):
-        eps = []
-        for r in rows:
-            schema = {"name": f"tool_{r['instance_id']}_{r['hop_idx']}", "description": "ToolHop tool",
-                      "parameters": {"type": "object", "properties": {}, "required": []}}
-            for cond in ("tool_right", "no_tool"):
-                eps.append({"episode_id": f"{r['instance_id']}-{r['hop_idx']}-{cond}-v{pv}",
-                            "question": r["question"], "gold": r["gold_answer"],
-                            "tool_schema": schema if cond != "no_tool" else None,
-                            "tool_output": {"result": r["gold_answer"]} if cond != "no_tool" else None})
-        (root / "benchmark" / f"{form}.json").write_text(json.dumps({"episodes": eps}))
-    return root, rows, overlay
+QC_DIR = "results/quality_control"
 
 
-@pytest.mark.parametrize("keyed", [False, True])
-def test_official_layout_fixture(release, tmp_path, keyed):
-    root, rows, overlay = _official_fixture(release, tmp_path, keyed=keyed)
-    b = bm.load_benchmark(root)
-    assert b.layout == "official" and len(b.questions) == len(rows)
-    q = b.questions[0]
-    assert q.schema == {"name": f"tool_{q.instance_id}_{q.hop_idx}", "description": "ToolHop tool",
-                        "parameters": {"type": "object", "properties": {}, "required": []}}
-    assert q.question == rows[0]["question"] and q.qkey == rows[0]["qkey"]
-    assert b.counts(episodes=False)["toolhop_schemas"] == len(rows)
-    for o in overlay:
-        assert b.by_qkey[o["qkey"]].near == o["new_near"] and b.by_qkey[o["qkey"]].repaired
-    from memtoc.episodes import build_episodes
-    e = build_episodes(b.questions[:1], ["reference"], ["tool_right"])[0]
-    assert e.schema_kind == "toolhop" and '"name": "tool_' in e.prompt
+@pytest.fixture(scope="module")
+def sample_dir(release):
+    d = default_sample_dir(release)
+    if not (d / "MANIFEST.json").is_file():
+        pytest.skip("official-layout sample not available")
+    return d
 
 
-def test_official_layout_without_qc_lists_is_explained(release, tmp_path):
-    root, _, _ = _official_fixture(release, tmp_path)
-    (root / "results/quality_control/analysis_set_lists.json").unlink()
-    with pytest.raises(DataError, match="QC lists"):
+@pytest.fixture(scope="module")
+def official(release, sample_dir, tmp_path_factory):
+    """All 575 questions in the official layout, built from the compact copy."""
+    return build_official_release(release, tmp_path_factory.mktemp("official") / "release", sample_dir=sample_dir)
+
+
+@pytest.fixture
+def small_official(release, sample_dir, tmp_path):
+    """The first 20 chains (37 questions, 3 repaired, 1 excluded) in the official layout."""
+    return build_official_release(release, tmp_path / "release", n_chains=20, sample_dir=sample_dir)
+
+
+def _load(path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _dump(path, obj):
+    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def _one_error(root, *patterns):
+    """Loading ``root`` raises exactly one DataError, one line, whose message matches every pattern."""
+    with pytest.raises(DataError) as info:
         bm.load_benchmark(root)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for pat in patterns:
+        assert re.search(pat, msg), (pat, msg)
+    return msg
+
+
+def test_official_layout_counts_and_frozen_folds(official):
+    b = bm.load_benchmark(official)
+    c = b.counts()
+    assert b.layout == "official"
+    assert (c["pool"], c["analysis"], c["excluded"], c["repaired"], c["far_analysis"], c["chains"]) == \
+        (575, 542, 33, 39, 443, 309)
+    assert c["episodes"]["core"] == 6504 and c["toolhop_schemas"] == 575
+    assert b.folds_source == {"mode": "frozen", "file": str(official / QC_DIR / "crossfit_folds.json"),
+                              "frozen_chains": 309, "rule_chains": 0}
+    assert sorted(c["folds_questions"].values()) == [287, 288]
+    assert b.files["repair_list"].endswith("repair_list_39.json")
+    assert b.files["overlay_paraphrase_b"].endswith("repair_overlay/paraphrase_b.json")
+
+
+def test_official_layout_equals_the_compact_load(official, bench):
+    b = bm.load_benchmark(official)
+    assert len(b.questions) == len(bench.questions) == 575
+    for o, c in zip(b.questions, bench.questions):
+        assert o.schema is not None
+        assert dataclasses.replace(o, schema=None) == c, c.qkey      # question, near, far, fold, flags
+    assert [q.qkey for q in b.analysis] == [q.qkey for q in bench.analysis]
+    rej = b.by_qkey[REJUVELAC]
+    assert (rej.near, rej.near_original, rej.repaired) == ("Adelle Davis", "Sylvia Nasar", True)
+    # the real ToolHop schema of question 0.0 reaches the episodes
+    from memtoc.episodes import build_episodes
+    e = build_episodes([b.questions[0]], ["reference"], ["tool_right"])[0]
+    assert e.schema_kind == "toolhop" and '"name": "geo_relationship_finder"' in e.prompt
+
+
+def test_builder_reproduces_the_samples_real_records(official, sample_dir):
+    """Every record the sample keeps (episodes, overlay episodes, mapping and fold rows, summaries)
+    comes out of the builder unchanged; the complete QC lists byte for byte."""
+    for form in ("reference", "paraphrase_a", "paraphrase_b"):
+        for rel in (f"benchmark/{form}.json", f"benchmark/repair_overlay/{form}.json"):
+            real, built = _load(sample_dir / rel), _load(official / rel)
+            by_id = {e["episode_id"]: e for e in built["episodes"]}
+            assert real["summary"] == built["summary"] and list(real) == list(built), rel
+            for e in real["episodes"]:
+                assert by_id[e["episode_id"]] == e, (rel, e["episode_id"])
+    assert len(_load(official / "benchmark/reference.json")["episodes"]) == 2875
+    for rel, key in (("results/construction/distractor_mapping_575.json", "rows"),
+                     (f"{QC_DIR}/crossfit_folds.json", "rows"), (f"{QC_DIR}/crossfit_folds.json", "assignments")):
+        real, built = _load(sample_dir / rel), _load(official / rel)
+        assert built[key][:len(real[key])] == real[key] and list(real) == list(built), rel
+        assert {k: v for k, v in real.items() if k not in ("rows", "assignments")} == \
+            {k: v for k, v in built.items() if k not in ("rows", "assignments")}, rel
+    for name in ("analysis_set_lists.json", "repair_list_39.json"):
+        assert (official / QC_DIR / name).read_bytes() == (sample_dir / QC_DIR / name).read_bytes()
+    assert (official / "results/summaries/arm_metrics.json").read_bytes() == \
+        (sample_dir / "results/summaries/arm_metrics.json").read_bytes()
+
+
+def test_small_official_build_loads_with_frozen_folds(small_official, bench):
+    b = bm.load_benchmark(small_official)
+    chains = sorted({q.instance_id for q in bench.questions})[:20]
+    want = [q for q in bench.questions if q.instance_id in chains]
+    assert [dataclasses.replace(q, schema=None) for q in b.questions] == want
+    c = b.counts(episodes=False)
+    assert (c["pool"], c["chains"], c["repaired"], c["excluded"]) == (37, 20, 3, 1)
+    assert b.folds_source["frozen_chains"] == 20 and b.folds_source["rule_chains"] == 0
+
+
+@pytest.mark.parametrize("drop", ["repair_list", "overlay"])
+def test_official_layout_reads_either_repair_source(small_official, drop):
+    ref = bm.load_benchmark(small_official).questions
+    if drop == "repair_list":
+        (small_official / QC_DIR / "repair_list_39.json").unlink()
+    else:
+        shutil.rmtree(small_official / "benchmark/repair_overlay")
+    b = bm.load_benchmark(small_official)
+    assert b.questions == ref and ("repair_list" in b.files) == (drop == "overlay")
+
+
+def test_repair_list_and_overlay_disagreement_is_one_error(small_official):
+    path = small_official / QC_DIR / "repair_list_39.json"
+    rl = _load(path)
+    qkey = rl["repairs"][0]["qkey"]
+    rl["repairs"][0]["new_near"] = "Someone Else"
+    _dump(path, rl)
+    _one_error(small_official, r"repair_overlay/reference\.json", re.escape(repr(qkey)), "Someone Else",
+               "repair_list_39.json", "disagree")
+    rl["repairs"].pop(0)
+    _dump(path, rl)
+    _one_error(small_official, r"repair_overlay/reference\.json: qkey " + re.escape(repr(qkey)),
+               "not in .*repair_list_39.json")
+
+
+def test_overlay_formulations_must_agree(small_official):
+    path = small_official / "benchmark/repair_overlay/paraphrase_a.json"
+    ov = _load(path)
+    ov["episodes"][0]["distractor"] = "Another Value"
+    _dump(path, ov)
+    _one_error(small_official, r"paraphrase_a\.json: qkey " + re.escape(repr(ov["episodes"][0]["provenance"]["qkey"])),
+               "Another Value")
+
+
+def test_repairs_must_match_the_qc_lists(small_official):
+    path = small_official / QC_DIR / "analysis_set_lists.json"
+    qc = _load(path)
+    dropped = qc["repair_qkeys"].pop()
+    _dump(path, qc)
+    _one_error(small_official, r"repair_list_39\.json: qkey " + re.escape(repr(dropped)), "repair_qkeys",
+               "analysis_set_lists.json")
+
+
+def test_missing_repair_source_is_one_error(small_official):
+    (small_official / QC_DIR / "repair_list_39.json").unlink()
+    shutil.rmtree(small_official / "benchmark/repair_overlay")
+    _one_error(small_official, "no repair source", "repair_list_39.json", r"repair_overlay/")
+
+
+def test_missing_qc_lists_is_one_error(small_official):
+    (small_official / QC_DIR / "analysis_set_lists.json").unlink()
+    _one_error(small_official, "analysis_set_lists.json", "analysis set")
+
+
+@pytest.mark.parametrize("shape", ["renamed", "bare_list"])
+def test_mapping_without_rows_is_one_error(small_official, shape):
+    path = small_official / "results/construction/distractor_mapping_575.json"
+    m = _load(path)
+    _dump(path, m["rows"] if shape == "bare_list" else {**{k: v for k, v in m.items() if k != "rows"},
+                                                        "records": m["rows"]})
+    _one_error(small_official, r"distractor_mapping_575\.json: missing field 'rows'")
+
+
+def test_episode_file_inconsistent_with_the_mapping_is_one_error(small_official):
+    path = small_official / "benchmark/paraphrase_b.json"
+    eps = _load(path)
+    wrong = next(e for e in eps["episodes"] if e["condition"] == "tool_wrong")
+    wrong["distractor"] = "Not The Near Value"
+    _dump(path, eps)
+    _one_error(small_official, r"paraphrase_b\.json: episode " + wrong["episode_id"], "Not The Near Value")
+    eps["episodes"] = eps["episodes"][:3]
+    _dump(path, eps)
+    _one_error(small_official, r"paraphrase_b\.json: field 'episodes' holds 3 records", "truncated")
+
+
+def test_the_truncated_official_sample_is_refused_clearly(sample_dir, capsys):
+    """The sample keeps only the first records of the big files: loading it is one clear error
+    (the mapping states 575 rows and holds 6), on the command line without a traceback."""
+    _one_error(sample_dir, r"distractor_mapping_575\.json: field 'rows' holds 6 records", "575", "truncated")
+    from memtoc.cli import main
+    assert main(["benchmark", "--release", str(sample_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "truncated" in err and "Traceback" not in err
+
+
+def test_cli_json_on_the_official_layout(official, capsys):
+    assert bm.cli(["--release", str(official), "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["counts"]
+    assert c["layout"] == "official"
+    assert (c["pool"], c["analysis"], c["excluded"], c["repaired"], c["far_analysis"], c["chains"]) == \
+        (575, 542, 33, 39, 443, 309)
+    assert c["folds_source"] == {"mode": "frozen", "file": str(official / QC_DIR / "crossfit_folds.json"),
+                                 "frozen_chains": 309, "rule_chains": 0}
+    assert sorted(c["folds_chains"].values()) == [154, 155]
+
+
+def test_builder_cli_writes_a_loadable_release(release, sample_dir, bench, tmp_path):
+    from official_release import main
+    dest = tmp_path / "by_hand"
+    assert main([str(dest), "--compact", str(release), "--sample", str(sample_dir), "--chains", "5"]) == 0
+    first5 = [q.qkey for q in bench.questions if q.instance_id in sorted({p.instance_id for p in bench.questions})[:5]]
+    assert [q.qkey for q in bm.load_benchmark(dest).questions] == first5 and len(first5) == 9
+    assert main([str(tmp_path / "x"), "--compact", str(tmp_path / "nowhere"), "--sample", str(sample_dir)]) == 2
 
 
 def test_cli_json(release, capsys):
