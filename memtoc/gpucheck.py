@@ -25,7 +25,9 @@ a tiny Llama config), reporting the peak GPU memory and seconds per step.
     memtoc gpucheck                 # on a GPU: ~8 min on one A100/H100-class GPU (most of it the 8B step)
     memtoc gpucheck --tiny --device cpu   # the test suite's run: tiny sizes, under a minute on a CPU
 
-Exit status 0 when every case passed (skips allowed), 1 otherwise; ``--json FILE`` writes the results.
+Exit status 0 when every case passed (skips allowed), 1 otherwise, 2 when there is no CUDA GPU to check
+(without ``--device cpu``: a CPU fallback would pass and prove nothing about the GPU); ``--json FILE``
+writes the results.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import finetune, models
+from .gpuenv import cuda_facts
 
 WORDS = ("the tool returned a value for the question about the river city author year population "
          "capital country founded born wrote album film company bridge mountain answer final memory "
@@ -327,7 +330,7 @@ def environment() -> dict[str, Any]:
 
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="memtoc gpucheck", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when available)")
+    ap.add_argument("--device", default=None, help="cuda (default), cuda:1, or cpu to check the CPU path")
     ap.add_argument("--tiny", action="store_true", help="fewer prompts and tokens, a tiny DPO model (CPU, tests)")
     ap.add_argument("--atol", type=float, default=1e-4, help="largest logit difference from eager (default 1e-4)")
     ap.add_argument("--no-dpo", action="store_true", help="skip the DPO step")
@@ -335,6 +338,12 @@ def cli(argv: list[str]) -> int:
                     help="cases to run: llama-3.1 qwen2.5 mistral gemma-2 dpo")
     ap.add_argument("--json", default=None, help="write the results (and versions) to this file")
     a = ap.parse_args(argv)
+    if not (a.device or "").startswith("cpu"):
+        facts = cuda_facts()
+        if not facts.available:
+            print(f"memtoc gpucheck: no GPU to check: {facts.describe()}; run it on the GPU machine, or "
+                  "`memtoc gpucheck --device cpu` to check the CPU path", file=sys.stderr)
+            return 2
     env = environment()
     print("memtoc gpucheck: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None), flush=True)
     t0 = time.time()

@@ -306,8 +306,11 @@ class LazyGenerator(Generator):
             setattr(self.load(), name, value)
 
     def close(self) -> None:
+        """Close the loaded generator and forget it: its memory is handed back, and a later cache
+        miss loads the weights again."""
         if self._real is not None:
-            self._real.close()
+            real, self._real = self._real, None
+            real.close()
 
 
 _SIGNATURE_PACKAGES = ("torch", "transformers", "vllm", "peft", "accelerate")

@@ -92,6 +92,8 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, StoppingCriteria
 
 from ..config import ConfigError, MemtocError
+from ..decoding import policy_from_config
+from ..gpuenv import release_memory
 from ..render import render_prompt
 from ..weights import adapter_hash, weights_hash
 from .attention import attention_implementation
@@ -399,6 +401,7 @@ class TransformersGenerator(Generator):
             model = model.merge_and_unload()
             a_hash = adapter_hash(adapter)
         self.model = model.to(self.device).eval()
+        self.policy = policy_from_config(self.model.generation_config, str(self.path / "generation_config.json"))
         gc = self.model.generation_config
         eos = gc.eos_token_id if gc.eos_token_id is not None else self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -424,8 +427,17 @@ class TransformersGenerator(Generator):
                          "dtype": str(self.torch_dtype).replace("torch.", ""),
                          "tie_margin": self.tie_margin,
                          # only when on: the cache keys of every existing run stay as they were
-                         **({"stop_at_first_line": True} if self.stop_at_first_line else {})},
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {}),
+                         **self.policy.identity()},   # the model's penalties (memtoc.decoding), when it has any
         })
+
+    def close(self) -> None:
+        """Drop the model and hand its memory back (a GPU's too), so that the next engine or trainer
+        of the run finds it free. Safe to call twice; the generator cannot generate afterwards."""
+        if getattr(self, "model", None) is None:
+            return
+        self.model = None
+        release_memory(self.device)
 
     def _newline_token_ids(self) -> set[int]:
         ids = range(len(self.tokenizer))
@@ -626,7 +638,7 @@ class TransformersGenerator(Generator):
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attn, max_new_tokens=self.max_new_tokens,
-                do_sample=False, temperature=None, top_p=None, top_k=None,
+                do_sample=False, temperature=None, top_p=None, top_k=None, **self.policy.transformers_generate(),
                 pad_token_id=self.tokenizer.pad_token_id, stopping_criteria=[stop],
                 logits_processor=[_TieGuard(self, prompts, P, stop)] if self.tie_margin > 0 else None)
         rows = []

@@ -13,6 +13,11 @@ reply is cut after its first completed FINAL line, as in the other backends), ``
 per ``LLM.generate`` call, default 4096: each chunk is written to the cache when it finishes), and
 any ``vllm.LLM`` keyword (``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``...).
 A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``).
+
+Decoding follows :mod:`memtoc.decoding`: greedy with the model's generation-config penalties, as the
+transformers backend. ``batch_invariant`` (``auto`` | true | false; ``auto`` = on where the GPU
+meets vLLM's documented requirement) sets ``VLLM_BATCH_INVARIANT`` before vLLM is imported, so that
+replies do not depend on the batch; it is part of the cache identity.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm
 
+from ..decoding import DecodingPolicy, batch_invariant_on, read_policy, set_batch_invariant_env
 from ..render import render_prompt
 from ..weights import adapter_hash, weights_hash
 from .base import Generator, Reply, truncate_reply
@@ -42,12 +48,15 @@ def build_requests(tokenizer, spec, prompts: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def sampling_kwargs(max_new_tokens: int, seed: Optional[int] = None) -> dict[str, Any]:
-    """Greedy decoding settings for ``vllm.SamplingParams``."""
-    kw: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "max_tokens": int(max_new_tokens), "n": 1}
-    if seed is not None:
-        kw["seed"] = seed
-    return kw
+def sampling_kwargs(max_new_tokens: int, seed: Optional[int] = None,
+                    policy: Optional[DecodingPolicy] = None) -> dict[str, Any]:
+    """Greedy decoding settings for ``vllm.SamplingParams``, with the model's penalties (``policy``)."""
+    return (policy or DecodingPolicy()).vllm_sampling(max_new_tokens, seed)
+
+
+def gpu_capability() -> Optional[tuple[int, int]]:
+    import torch
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 def engine_kwargs(path: Path, dtype: str, adapter: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +77,10 @@ class VLLMGenerator(Generator):
 
     def __init__(self, spec, path: Path, adapter=None, dtype: str = "auto", max_new_tokens: int = 48,
                  cache_dir=None, stop_at_final: bool = True, stop_at_first_line: bool = False, chunk: int = 4096, seed: Optional[int] = None,
-                 show_progress: bool = True, batch_size: Any = None, **llm_options):
+                 show_progress: bool = True, batch_size: Any = None, batch_invariant: Any = "auto",
+                 **llm_options):
+        self.batch_invariant = batch_invariant_on(batch_invariant, gpu_capability())
+        set_batch_invariant_env(self.batch_invariant)   # before vllm is imported: some releases read it then
         try:
             import vllm  # noqa: F401
         except ImportError:
@@ -86,6 +98,7 @@ class VLLMGenerator(Generator):
         self.seed = seed
         self.show_progress = show_progress
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.policy = read_policy(self.path)
         self.adapter = str(adapter) if adapter is not None else None
         self.llm = vllm.LLM(**engine_kwargs(self.path, dtype, self.adapter, llm_options))
         self.lora = None
@@ -99,12 +112,14 @@ class VLLMGenerator(Generator):
             "prompt_format": {"chat": spec.chat, "system_turn": spec.system_turn},
             "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
                          "stop_at_final": self.stop_at_final, "dtype": dtype,
-                         **({"stop_at_first_line": True} if self.stop_at_first_line else {})},
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {}),
+                         **self.policy.identity()},
+            **({"batch_invariant": True} if self.batch_invariant else {}),
         })
 
     def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
         from vllm import SamplingParams
-        sp = SamplingParams(**sampling_kwargs(self.max_new_tokens, self.seed))
+        sp = SamplingParams(**sampling_kwargs(self.max_new_tokens, self.seed, self.policy))
         order = submission_order(prompts)
         bar = tqdm(total=len(prompts), desc=desc or f"generate {self.spec.label}", unit="req",
                    disable=not self.show_progress, leave=False)

@@ -1,0 +1,84 @@
+"""GPU preconditions checked before work starts, and memory handed back when a generator closes."""
+import gc
+import weakref
+
+import pytest
+
+from memtoc import cli, gpuenv, models
+from memtoc.backends import base, hf
+from memtoc.config import ConfigError
+from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
+
+NO_GPU = gpuenv.CudaFacts(torch="2.13.0+cpu", built_for=None, available=False, devices=0)
+OLD_DRIVER = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=False, devices=0)
+FULL_GPU = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=True, devices=1, name="A100",
+                            free_gib=0.2, total_gib=80.0)
+
+
+def test_cpu_runs_need_no_gpu():
+    assert gpuenv.gpu_needs({"backend": "transformers", "backend_options": {}}) == []
+    assert gpuenv.check_gpu({"backend": "transformers"}, facts=NO_GPU) is None
+
+
+def test_each_gpu_setting_is_named():
+    p = {"backend": "vllm", "judge": {"backend": "transformers", "backend_options": {"device": "cuda:1"}},
+         "agent": {"enabled": True, "runtime": "transformers", "runtime_options": {"device": "cuda"}}}
+    needs = gpuenv.gpu_needs(p)
+    assert len(needs) == 3 and "backend: vllm" in needs[0] and "judge" in needs[1] and "agent" in needs[2]
+    assert gpuenv.gpu_needs({**p, "agent": {"enabled": False, "runtime_options": {"device": "cuda"}},
+                             "judge": None, "backend": "transformers"}) == []
+
+
+@pytest.mark.parametrize("facts,words", [(NO_GPU, "CPU build"), (OLD_DRIVER, "driver too old"),
+                                         (FULL_GPU, "0.2 GiB of A100 is free")])
+def test_a_missing_or_full_gpu_is_one_line_naming_the_file(facts, words):
+    with pytest.raises(ConfigError) as e:
+        gpuenv.check_gpu({"backend": "vllm"}, "params/paper.yaml", facts=facts)
+    msg = str(e.value)
+    assert msg.startswith("params/paper.yaml: generation (backend: vllm)") and words in msg and "\n" not in msg
+
+
+def test_gpucheck_without_a_gpu_fails_and_names_it(monkeypatch, capsys):
+    monkeypatch.setattr(gpuenv, "cuda_facts", lambda: NO_GPU)
+    monkeypatch.setattr("memtoc.gpucheck.cuda_facts", lambda: NO_GPU)
+    assert cli.main(["gpucheck"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU to check" in err and "--device cpu" in err and len(err.strip().splitlines()) == 1
+
+
+def test_closing_a_generator_frees_its_model(tiny_model_dir):  # noqa: F811
+    gen = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, dtype="float32",
+                                   max_new_tokens=4, show_progress=False)
+    alive = weakref.ref(gen.model)
+    gen.close()
+    gc.collect()
+    assert alive() is None and gen.model is None
+    gen.close()  # twice is fine
+
+
+def test_a_closed_lazy_generator_drops_and_reloads(tiny_model_dir):  # noqa: F811
+    built = []
+
+    def factory():
+        g = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, dtype="float32",
+                                     max_new_tokens=4, show_progress=False)
+        built.append(weakref.ref(g.model))
+        return g
+
+    lazy = base.LazyGenerator(factory, {"model": "tiny"}, None)
+    first = lazy.load()
+    lazy.close()
+    del first
+    gc.collect()
+    assert built[0]() is None and not lazy.loaded
+    lazy.load()
+    assert len(built) == 2 and built[1]() is not None
+
+
+def test_run_of_a_gpu_plan_refuses_before_any_notebook(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("memtoc.pipeline.check_gpu",
+                        lambda params, source: gpuenv.check_gpu(params, source, facts=NO_GPU))
+    rc = cli.main(["run", "params/paper.yaml", "--set", f"output_root={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "needs a CUDA GPU" in err and "paper.yaml" in err
+    assert not any(tmp_path.iterdir())       # nothing written: no run directory, no notebook
