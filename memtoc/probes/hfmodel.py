@@ -20,7 +20,8 @@ from .. import models
 
 @dataclass
 class LoadedModel:
-    """A model ready for probing: float32, eval mode, parameters frozen."""
+    """A model ready for probing: float32, eval mode, parameters frozen, on its device (the GPU when
+    there is one: every input the probes build is placed on ``device``)."""
 
     name: str
     spec: Any                 # models.ModelSpec
@@ -28,6 +29,14 @@ class LoadedModel:
     model: Any                # transformers PreTrainedModel
     tokenizer: Any
     weights_sha256: str
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def ids(self, ids: list[int]) -> torch.Tensor:
+        """A (1, T) token tensor on the model's device."""
+        return torch.tensor([list(ids)], device=self.device)
 
     @property
     def n_layers(self) -> int:
@@ -47,15 +56,22 @@ class LoadedModel:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])[:max_tokens]
 
 
-def load_model(name: str, cache_dir: Optional[str] = None) -> LoadedModel:
-    """Load ``name`` (a registry name or local directory, prepared by ``memtoc model prepare``)."""
+def load_model(name: str, cache_dir: Optional[str] = None, device: Optional[str] = None) -> LoadedModel:
+    """Load ``name`` (a registry name or local directory, prepared by ``memtoc model prepare``) in
+    float32 on ``device`` (default: the GPU when there is one). On a GPU the matrix products use TF32
+    (the lens fit's backward passes stay in float32 storage; TF32 keeps ~10 mantissa bits in the
+    products, far below the rank differences the read-outs report)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     spec = models.get_model(name)
     path = models.prepare_model(name, cache_dir=cache_dir)
     attn = models.attention_implementation(_config(path), "eager")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
-    model.eval()
+    model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(path))
@@ -143,5 +159,5 @@ def residuals(lm: LoadedModel, ids: list[int], layers: list[int]) -> tuple[dict[
         return fn
 
     with torch.no_grad(), layer_hooks(lm.model, {l: grab(l) for l in layers}):
-        out = lm.model(input_ids=torch.tensor([ids]))
+        out = lm.model(input_ids=lm.ids(ids))
     return got, out.logits[0].float()

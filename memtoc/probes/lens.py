@@ -91,12 +91,12 @@ def jacobian_for_prompt(lm: LoadedModel, ids: list[int], layers: Sequence[int], 
     layers = sorted(int(l) for l in layers)
     if layers[-1] >= last:
         raise LensError(f"source layers must be below the last layer {last}; got {layers}")
-    valid = torch.arange(skip_first, T - 1)
+    valid = torch.arange(skip_first, T - 1, device=lm.device)
     if len(valid) == 0:
         raise LensError(f"a prompt of {T} tokens has no valid position (skip_first={skip_first})")
     d = lm.d_model
     lo = layers[0]
-    ids_t = torch.tensor([ids])
+    ids_t = lm.ids(ids)
     with torch.no_grad():      # below the band: once, at batch 1 (the root is layer lo-1's output)
         if lo == 0:
             base = model.get_input_embeddings()(ids_t)
@@ -130,11 +130,11 @@ def jacobian_for_prompt(lm: LoadedModel, ids: list[int], layers: Sequence[int], 
                     model.model(input_ids=ids_t)
         target = got[last]
         cot = torch.zeros_like(target)
-        b = torch.arange(n)
+        b = torch.arange(n, device=lm.device)
         cot[b[:, None], valid[None, :], (start + b)[:, None]] = 1.0
         grads = torch.autograd.grad(target, [got[l] for l in layers], cot)
         for l, g in zip(layers, grads):
-            out[l][start:start + n] = g[:, valid, :].mean(1)
+            out[l][start:start + n] = g[:, valid, :].mean(1).cpu()
     return out
 
 
@@ -150,7 +150,7 @@ def brute_force_jacobian(lm: LoadedModel, ids: list[int], layer: int, skip_first
     def f(h):
         got = {}
         with layer_hooks(model, {layer: lambda _h: h[None], last: lambda _h: got.__setitem__("t", _h)}):
-            model(input_ids=torch.tensor([ids]))
+            model(input_ids=lm.ids(ids))
         return got["t"][0]
 
     full = torch.autograd.functional.jacobian(f, h0)          # (T, d, T, d): [t, i, s, j]
@@ -257,12 +257,12 @@ def check_lens(lens: Lens, lm: LoadedModel, source: str) -> None:
 def lens_logits(lm: LoadedModel, h: torch.Tensor, J: Optional[torch.Tensor]) -> torch.Tensor:
     """unembed(J h) for residual vectors h (..., d); J None = the logit lens (identity)."""
     with torch.no_grad():
-        return unembed(lm.model, h if J is None else h @ J.T)
+        return unembed(lm.model, h if J is None else h @ J.to(h.device, h.dtype).T)
 
 
 def ranks_of(logits: torch.Tensor, token_ids: Sequence[int]) -> list[int]:
     """1-based rank of each token in one logit vector (1 = top; ties count in the token's favour)."""
-    ids = torch.tensor(list(token_ids), dtype=torch.long)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
     vals = logits[ids]
     return [int((logits > v).sum()) + 1 for v in vals]
 

@@ -88,6 +88,7 @@ def mine_features(z: torch.Tensor, label: Sequence[str], z_held: torch.Tensor, l
                   top: int = 8) -> dict[str, list[Feature]]:
     """Top-``top`` latents by MI on the mining codes ``z`` (n, d_sae; last-position SAE codes), per
     side, each with its held-out frequency separation."""
+    z, z_held = z.float().cpu(), z_held.float().cpu()   # small code matrices: mined on the CPU
     y = torch.tensor([l == MEMORY for l in label])
     if y.all() or (~y).all():
         return {MEMORY: [], TOOL: []}

@@ -41,12 +41,20 @@ class TopKSAE(torch.nn.Module):
         self.W_dec = torch.nn.Parameter(torch.zeros(d_sae, d_in))
         self.b_dec = torch.nn.Parameter(torch.zeros(d_in))
 
+    def follow(self, x: torch.Tensor) -> None:
+        """Move the dictionary to ``x``'s device (a dictionary is loaded on the CPU, the model's
+        activations may live on the GPU)."""
+        if self.W_enc.device != x.device:
+            self.to(x.device)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self.follow(x)
         pre = torch.relu((x - self.b_dec) @ self.W_enc + self.b_enc)
         top = pre.topk(self.k, dim=-1)
         return torch.zeros_like(pre).scatter(-1, top.indices, top.values)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
+        self.follow(z)
         return z @ self.W_dec + self.b_dec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +74,7 @@ def train_topk(acts: torch.Tensor, d_sae: int, k: int, steps: int = 1000, batch:
     unit norm, b_dec initialised at the mean, encoder = decoder transpose at init."""
     g = torch.Generator().manual_seed(seed)
     n, d = acts.shape
-    sae = TopKSAE(d, d_sae, k)
+    sae = TopKSAE(d, d_sae, k).to(acts.device)
     with torch.no_grad():
         W = torch.randn(d_sae, d, generator=g)
         W /= W.norm(dim=1, keepdim=True)
@@ -77,7 +85,7 @@ def train_topk(acts: torch.Tensor, d_sae: int, k: int, steps: int = 1000, batch:
     losses = []
     with torch.enable_grad():
         for step in range(steps):
-            idx = torch.randint(0, n, (min(batch, n),), generator=g)
+            idx = torch.randint(0, n, (min(batch, n),), generator=g).to(acts.device)
             x = acts[idx]
             loss = ((sae(x) - x) ** 2).sum(-1).mean()
             opt.zero_grad()
@@ -110,7 +118,7 @@ def spliced_loss(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, sae: To
     tot = {"clean": 0.0, "spliced": 0.0}
     n = 0
     for ids in seqs:
-        x = torch.tensor([ids])
+        x = lm.ids(ids)
         with torch.no_grad():
             clean = lm.model(input_ids=x, labels=x).loss
             with layer_hooks(lm.model, {layer: lambda h: sae(h)}):
@@ -128,7 +136,7 @@ def save_sae(sae: TopKSAE, path: Path, *, model_name: str, layer: int, extra: Op
     transformer-lens hook name) + ``sae_weights.safetensors`` (W_enc, b_enc, W_dec, b_dec)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().float() for k, v in sae.state_dict().items()}, str(path / WEIGHTS_FILE))
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in sae.state_dict().items()}, str(path / WEIGHTS_FILE))
     cfg = {"d_in": sae.d_in, "d_sae": sae.d_sae, "k": sae.k, "dtype": "float32", "device": "cpu",
            "apply_b_dec_to_input": True, "normalize_activations": "none", "reshape_activations": "none",
            "rescale_acts_by_decoder_norm": False, "architecture": "topk",
@@ -174,7 +182,7 @@ def layer_acts(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, positions
         h = blk.register_forward_hook(hook)
         try:
             with torch.no_grad():
-                lm.model.model(input_ids=torch.tensor([ids]))
+                lm.model.model(input_ids=lm.ids(ids))
         except _Halt:
             pass
         finally:

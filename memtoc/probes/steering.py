@@ -60,11 +60,11 @@ def edit_delta(sae: TopKSAE, h: torch.Tensor, edit: Edit) -> torch.Tensor:
     z = sae.encode(h)
     delta = torch.zeros_like(h)
     if edit.add:
-        idx = torch.tensor(edit.add)
-        mu = torch.tensor(edit.add_values, dtype=h.dtype)
+        idx = torch.tensor(edit.add, device=h.device)
+        mu = torch.tensor(edit.add_values, dtype=h.dtype, device=h.device)
         delta = delta + (mu - z[:, idx]).clamp_min(0) @ sae.W_dec[idx]
     if edit.remove:
-        idx = torch.tensor(edit.remove)
+        idx = torch.tensor(edit.remove, device=h.device)
         delta = delta - z[:, idx] @ sae.W_dec[idx]
     return delta
 
@@ -72,7 +72,7 @@ def edit_delta(sae: TopKSAE, h: torch.Tensor, edit: Edit) -> torch.Tensor:
 def apply_edit(sae: TopKSAE, h: torch.Tensor, positions: Sequence[int], edit: Edit) -> torch.Tensor:
     """``h`` (1, T, d) with the edit applied at ``positions`` (a new tensor; strength 0: equal)."""
     out = h.clone()
-    pos = torch.tensor(list(positions), dtype=torch.long)
+    pos = torch.tensor(list(positions), dtype=torch.long, device=h.device)
     rows = h[0, pos]
     out[0, pos] = rows + edit.strength * edit_delta(sae, rows, edit)
     return out
@@ -138,7 +138,7 @@ class SteeredGenerator(Generator):
         finish = "length"
         ckw = cache_keyword(model)
         with torch.no_grad(), layer_hooks(model, {self.edit.layer: hook}):
-            out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            out = model(input_ids=lm.ids(ids), use_cache=True)
             state["prefill"] = False
             past = _past(out, ckw)
             nxt = int(out.logits[0, -1].argmax())
@@ -152,7 +152,7 @@ class SteeredGenerator(Generator):
                 if rule:
                     finish = rule
                     break
-                out = model(input_ids=torch.tensor([[nxt]]), use_cache=True, **{ckw: past})
+                out = model(input_ids=lm.ids([nxt]), use_cache=True, **{ckw: past})
                 past = _past(out, ckw)
                 nxt = int(out.logits[0, -1].argmax())
         text = lm.tokenizer.decode(new, skip_special_tokens=True)
@@ -178,7 +178,7 @@ def sae_sha256(sae: TopKSAE) -> str:
     h = hashlib.sha256()
     for k, v in sorted(sae.state_dict().items()):
         h.update(k.encode())
-        h.update(v.detach().float().contiguous().numpy().tobytes())
+        h.update(v.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
