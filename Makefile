@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install run test test-fast smoke bench clean-run
+.PHONY: install data run test test-fast smoke bench clean-run
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -28,7 +28,11 @@ $(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/activate
 
 install: $(VENV)/.installed
 
-run: install
+# the benchmark release: fetched and verified only when memtoc finds none (memtoc/datafetch.py)
+data: install
+	$(BIN)/memtoc data where >/dev/null 2>&1 || $(BIN)/memtoc data fetch
+
+run: install data
 	$(BIN)/memtoc run $(PARAMS)
 
 test: install

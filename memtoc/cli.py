@@ -21,6 +21,9 @@ COMMANDS = {
     "gpucheck": ("memtoc.gpucheck", "check the transformers path on this GPU (tiny random models + an 8B DPO step): memtoc gpucheck [--tiny]"),
     "verify": ("memtoc.verifycmd", "re-derive every claim of a run: memtoc verify RUN_DIR"),
     "transfer": ("memtoc.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
+    "init": ("memtoc.initcmd", "make a project folder (notebooks, params, paper) for an installed memtoc: memtoc init DIR"),
+    "data": ("memtoc.datafetch", "the benchmark release: memtoc data fetch [--source URL|PATH] [--dest DIR] "
+                                 "[--force] | memtoc data where"),
 }
 
 
