@@ -15,7 +15,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("run_dir", nargs="?", help="run directory, e.g. outputs/default")
     ap.add_argument("--published", action="store_true",
                     help="also (or, without RUN_DIR, only) check the published paper's derivable numbers")
-    ap.add_argument("--release", default=None, help="release directory (default: the usual lookup)")
+    ap.add_argument("--release", default=None, help="release directory, compact or official layout "
+                    "(default: $MEMTOC_RELEASE, then ../shared/memtoc-release)")
     ap.add_argument("--registry", default=None, help="claim registry (default paper/claims.yaml)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
@@ -31,7 +32,7 @@ def cli(argv: list[str]) -> int:
         print(json.dumps(doc, indent=1, ensure_ascii=False))
     else:
         for r in results:
-            print(f"== {'run ' + r.target if r.kind == 'run' else 'published paper vs ' + r.target}")
+            print(f"== {'run ' + r.target if r.kind == 'run' else f'published paper vs {r.target} ({r.layout} layout)'}")
             print(r.table())
             print(r.summary())
     return 0 if all(r.ok for r in results) else 1
