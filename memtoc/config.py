@@ -7,6 +7,7 @@ file, the field and the fix.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Any, Iterable
 
 import yaml
 
+from .project import project_root
 from .vocab import BACKENDS, CLOSED_BOOK_VARIANTS, DTYPES, EXTRA_ARMS, FORMULATIONS, MATCHERS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# the project root: the clone, or a `memtoc init` folder for an installed wheel (memtoc/project.py)
+REPO_ROOT = project_root()
 
 PAPER_SEED = 20260721
 
@@ -72,40 +75,80 @@ def section_params(P: dict[str, Any], key: str, defaults: dict[str, Any], source
     return out
 
 
-def resolve_release_dir(release_dir: str | os.PathLike | None = None) -> Path:
-    """Find the benchmark release directory.
+RELEASE_STAMP = "memtoc-release.json"   # written by `memtoc data fetch` beside a verified copy
+# The rules of resolve_release, in order (the second element of its answer).
+RELEASE_RULES = ("argument", "params:release_dir", "env:MEMTOC_RELEASE", "fetched", "beside-repository")
 
-    Order: the explicit argument, then ``$MEMTOC_RELEASE``, then ``../shared/memtoc-release``
-    relative to the repository root (and to the working directory).
+
+def release_cache_root() -> Path:
+    """Where `memtoc data fetch` installs verified copies: ``$MEMTOC_DATA_DIR``, else
+    ``~/.cache/memtoc/release`` (one folder per commit, ``local-<sha12>`` for a local source)."""
+    return Path(os.environ.get("MEMTOC_DATA_DIR") or Path.home() / ".cache" / "memtoc" / "release").expanduser()
+
+
+def fetched_release(root: Path | None = None) -> Path | None:
+    """The newest copy under ``root`` (default :func:`release_cache_root`) whose
+    ``memtoc-release.json`` stamp records a passed verification; None when there is none."""
+    root = release_cache_root() if root is None else root
+    best: tuple[str, Path] | None = None
+    for stamp in sorted(root.glob(f"*/{RELEASE_STAMP}")) if root.is_dir() else []:
+        try:
+            s = json.loads(stamp.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(s, dict) and isinstance(s.get("verification"), dict) \
+                and s["verification"].get("status") == "PASS" and (best is None or str(s.get("date")) > best[0]):
+            best = (str(s.get("date")), stamp.parent)
+    return best[1].resolve() if best else None
+
+
+def resolve_release(release_dir: str | os.PathLike | None = None,
+                    params: dict[str, Any] | None = None) -> tuple[Path, str]:
+    """Find the benchmark release directory and say which rule found it.
+
+    Order (the first rule that names a folder decides; a named folder that does not exist is an
+    error, not a fall-through): the explicit argument (``--release DIR``) -> ``"argument"``; the
+    parameter ``release_dir`` of ``params`` -> ``"params:release_dir"``; ``$MEMTOC_RELEASE`` ->
+    ``"env:MEMTOC_RELEASE"``; the newest verified copy installed by ``memtoc data fetch`` under
+    :func:`release_cache_root` -> ``"fetched"``; ``../shared/memtoc-release`` beside the repository
+    (or the working directory) -> ``"beside-repository"``. Relative paths are taken from the
+    working directory.
     """
-    tried: list[Path] = []
-    candidates: list[Path] = []
-    if release_dir:
-        candidates.append(Path(release_dir).expanduser())
-    elif os.environ.get("MEMTOC_RELEASE"):
-        candidates.append(Path(os.environ["MEMTOC_RELEASE"]).expanduser())
-    else:
-        candidates += [REPO_ROOT.parent / "shared" / "memtoc-release",
-                       Path.cwd().parent / "shared" / "memtoc-release",
-                       Path.cwd() / "../shared/memtoc-release"]
-    for c in candidates:
+    named = [(release_dir, RELEASE_RULES[0]), ((params or {}).get("release_dir"), RELEASE_RULES[1]),
+             (os.environ.get("MEMTOC_RELEASE"), RELEASE_RULES[2])]
+    given = next(((Path(v).expanduser(), rule) for v, rule in named if v), None)
+    if given is None:
+        fetched = fetched_release()
+        if fetched is not None:
+            return fetched, RELEASE_RULES[3]
+    candidates = [given] if given else [(c, RELEASE_RULES[4]) for c in (
+        REPO_ROOT.parent / "shared" / "memtoc-release", Path.cwd().parent / "shared" / "memtoc-release",
+        Path.cwd() / "../shared/memtoc-release")]
+    tried: list[str] = []
+    for c, rule in candidates:
         c = c if c.is_absolute() else (Path.cwd() / c)
-        tried.append(c.resolve())
+        tried.append(str(c.resolve()))
         if c.is_dir():
-            return c.resolve()
+            return c.resolve(), rule
+    where = f" ({given[1]})" if given else f", and no verified copy under {release_cache_root()}"
     raise DataError(
-        "MemToC benchmark data not found; looked in: " + ", ".join(map(str, tried)) + ". "
-        "The compact release ships beside the repository as ../shared/memtoc-release; the official "
-        "MemToC release (benchmark/*.json + results/construction/...) works too. Point memtoc at it "
-        "with the parameter release_dir, `--release DIR`, or the environment variable MEMTOC_RELEASE."
+        "MemToC benchmark data not found; looked in: " + ", ".join(tried) + where + ". "
+        "Run `memtoc data fetch` to download and verify the official release, or point memtoc at a "
+        "copy (the compact ../shared/memtoc-release or the official layout) with `--release DIR`, "
+        "the parameter release_dir, or the environment variable MEMTOC_RELEASE."
     )
+
+
+def resolve_release_dir(release_dir: str | os.PathLike | None = None) -> Path:
+    """The benchmark release directory (:func:`resolve_release` without the rule)."""
+    return resolve_release(release_dir)[0]
 
 
 # The flat parameter set shared by every notebook.  Keep in sync with params/*.yaml and README.
 DEFAULTS: dict[str, Any] = {
     "run_name": "default",
     "output_root": "outputs",
-    "release_dir": None,             # None -> $MEMTOC_RELEASE -> ../shared/memtoc-release
+    "release_dir": None,             # None -> $MEMTOC_RELEASE -> fetched copy -> ../shared (resolve_release)
     "seed": PAPER_SEED,
     # models and generation
     "models": ["smollm2-135m-instruct"],
@@ -132,11 +175,11 @@ DEFAULTS: dict[str, Any] = {
     "alpha": 0.05,
     # fine-tuning
     "finetune": {"enabled": True},
-    # transfer beyond MemToC (notebook 06; keys and defaults: memtoc.transfer.core.TR_DEFAULTS)
+    # transfer beyond MemToC (notebook 06; keys and defaults: memtoc.blockconfig.TransferConfig)
     "transfer": {"enabled": True},
-    # the probes (notebook 05; keys and defaults: memtoc.probes.core.PR_DEFAULTS)
+    # the probes (notebook 05; keys and defaults: memtoc.blockconfig.ProbesConfig)
     "probes": {"enabled": True},
-    # the agent loop (notebook 07; keys and defaults: memtoc.agent.core.AGENT_DEFAULTS)
+    # the agent loop (notebook 07; keys and defaults: memtoc.blockconfig.AgentConfig)
     "agent": {"enabled": True},
     # the LLM-judge overlay (PROTOCOL §4b, the "judged" layer; memtoc/judge.py): null = det only.
     # {model: <registry name or local dir>, backend: transformers|vllm|openai, backend_options: {...},
@@ -145,9 +188,6 @@ DEFAULTS: dict[str, Any] = {
     # report / verification
     "verify": True,
 }
-
-JUDGE_KEYS = ("model", "backend", "backend_options", "max_new_tokens")
-
 
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
@@ -227,11 +267,11 @@ def validate_params(params: dict[str, Any], source: str = "<params>") -> dict[st
     if not isinstance(p["finetune"], dict):
         fail("finetune", "must be a mapping (see params/finetune.yaml)")
     if not isinstance(p["transfer"], dict):
-        fail("transfer", "must be a mapping (keys: memtoc.transfer.core.TR_DEFAULTS; see params/default.yaml)")
+        fail("transfer", "must be a mapping (keys: memtoc.blockconfig.TransferConfig; see params/default.yaml)")
     if not isinstance(p["probes"], dict):
-        fail("probes", "must be a mapping (keys: memtoc.probes.core.PR_DEFAULTS; see params/probes.yaml)")
+        fail("probes", "must be a mapping (keys: memtoc.blockconfig.ProbesConfig; see params/probes.yaml)")
     if not isinstance(p["agent"], dict):
-        fail("agent", "must be a mapping (keys: memtoc.agent.core.AGENT_DEFAULTS; see params/agent.yaml)")
+        fail("agent", "must be a mapping (keys: memtoc.blockconfig.AgentConfig; see params/agent.yaml)")
     if p["judge"] is not None:
         p["judge"] = check_judge(p["judge"], fail)
     return p
@@ -246,26 +286,10 @@ def is_plain_name(name: Any) -> bool:
 
 
 def check_judge(j: Any, fail) -> dict[str, Any]:
-    """The ``judge`` block with its defaults (backend transformers, no options, 32 new tokens)."""
-    example = "e.g. judge: {model: smollm2-135m-instruct, backend: transformers}"
-    if not isinstance(j, dict):
-        fail("judge", f"must be null (no judged layer) or a mapping with a model; {example}")
-    unknown = sorted(set(j) - set(JUDGE_KEYS))
-    if unknown:
-        fail("judge", f"unknown key(s) {unknown}; valid keys are: {', '.join(JUDGE_KEYS)}")
-    if not isinstance(j.get("model"), str) or not j["model"]:
-        fail("judge.model", f"must be a registry model name or a local HF directory; {example}")
-    out = {"model": j["model"], "backend": j.get("backend", "transformers"),
-           "backend_options": {} if j.get("backend_options") is None else j["backend_options"],
-           "max_new_tokens": j.get("max_new_tokens", 32)}
-    if out["backend"] not in BACKENDS:
-        fail("judge.backend", f"must be one of {', '.join(BACKENDS)}, got {out['backend']!r}")
-    if not isinstance(out["backend_options"], dict):
-        fail("judge.backend_options", "must be a mapping (e.g. {base_url: ..., api_key: ...} for openai)")
-    mnt = out["max_new_tokens"]
-    if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
-        fail("judge.max_new_tokens", f"must be a positive integer, got {mnt!r}")
-    return out
+    """The ``judge`` block with its defaults (``memtoc.blockconfig.JudgeConfig``: backend transformers,
+    no options, 32 new tokens) as a mapping."""
+    from .blockconfig.judge import JudgeConfig      # here, not at the top: blockconfig imports this module
+    return JudgeConfig.resolve(j, fail).to_dict()
 
 
 def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -275,6 +299,10 @@ def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any]
     if path is not None:
         path = Path(path)
         source = str(path)
+        if not path.is_file() and not (REPO_ROOT / "params").is_dir():
+            raise ConfigError(f"parameter file {path} does not exist, and {REPO_ROOT} is no memtoc project folder "
+                              "(no params/); make one with `memtoc init DIR` and run memtoc from DIR (or set "
+                              "MEMTOC_HOME=DIR)")
         if not path.is_file():
             raise ConfigError(f"parameter file {path} does not exist; the shipped ones are in params/ "
                               f"({', '.join(sorted(p.name for p in (REPO_ROOT / 'params').glob('*.yaml')))})")
@@ -293,7 +321,10 @@ def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any]
             raise ConfigError(f"{path}: the parameter file must be a YAML mapping (key: value lines, see "
                               f"params/default.yaml), got a {type(raw).__name__}")
     if overrides:
-        raw = _merge(raw, overrides)
+        # the file alone first: an error the file causes names the file; one that only the overrides
+        # cause names them (`--set KEY=VALUE` on the command line)
+        validate_params(raw, source)
+        return validate_params(_merge(raw, overrides), f"--set (over {source})")
     return validate_params(raw, source)
 
 

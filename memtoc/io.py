@@ -58,11 +58,26 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, newlin
     return atomic_write_text(path, json.dumps(plain(obj), indent=indent, ensure_ascii=False) + ("\n" if newline else ""))
 
 
+#: characters that Python's ``str.splitlines`` (and some editors) treat as line breaks although JSON
+#: leaves them raw with ``ensure_ascii=False``: escaped, so one record is always one line for every reader
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def json_line(obj: Any) -> str:
+    """One JSON value on one line (no trailing newline): non-ASCII kept, except the characters other
+    readers split lines on (U+0085, U+2028, U+2029), which are escaped; ``json.loads`` gives the same
+    value back."""
+    s = json.dumps(obj, ensure_ascii=False)
+    if any(c in s for c in _LINE_BREAKS):
+        for c, esc in _LINE_BREAKS.items():
+            s = s.replace(c, esc)
+    return s
+
+
 def write_jsonl(path: str | os.PathLike, rows: Iterable[dict], convert: bool = True) -> Path:
-    """One JSON object a line (non-ASCII kept; :func:`plain` first unless ``convert`` is False),
+    """One JSON object a line (:func:`json_line`; :func:`plain` first unless ``convert`` is False),
     written atomically."""
-    return atomic_write_text(path, "".join(json.dumps(plain(r) if convert else r, ensure_ascii=False) + "\n"
-                                           for r in rows))
+    return atomic_write_text(path, "".join(json_line(plain(r) if convert else r) + "\n" for r in rows))
 
 
 def sha256_text(s: str) -> str:

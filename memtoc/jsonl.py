@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .config import MemtocError
-from .io import atomic_write_text
+from .io import atomic_write_text, json_line
 
 
 def split_lines(text: str) -> list[str]:
@@ -82,7 +82,7 @@ def parse_records(lines: Iterable[str], source: str, check: Callable[[Any], Opti
 
 def write_output(records: Iterable[dict[str, Any]], output: Optional[Path], error: type[MemtocError]) -> None:
     """JSONL to ``output`` (atomically; ``error`` when it cannot be written), or stdout when None."""
-    payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    payload = "".join(json_line(r) + "\n" for r in records)
     if output is None:
         sys.stdout.write(payload)
         return

@@ -55,7 +55,9 @@ import yaml
 from . import finetune, models, progress, runlock
 from .benchmark import load_benchmark
 from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
-from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release_dir, run_dir
+from .gpuenv import check_gpu
+from .servers import check_servers
+from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir, run_dir
 from .agent.core import agent_params
 from .probes.core import probes_params
 from .transfer import transfer_params
@@ -313,6 +315,21 @@ def params_sha256(d: dict[str, Any]) -> str:
     return sha256_json(plain(d))
 
 
+def stage_record(params: dict[str, Any], number: str, release_digest: str | None, finished: str) -> dict[str, Any]:
+    """config.json's ``stages`` entry of a stage that finished: the parameters its outputs came from."""
+    sp = stage_params(params, number, release_digest)
+    return {"number": number, "params_sha256": params_sha256(sp), "params": sp, "finished": finished}
+
+
+def carry_history(old: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Move the earlier invocation recorded in ``old`` (a previous config.json) into ``cfg["history"]``."""
+    hist = old.pop("history", [])
+    entry = {k: old.get(k) for k in ("started", "finished", "status", "only", "notebooks")}
+    if entry["status"] == "running":   # we hold the lock: that run died without saying so
+        entry["status"] = "interrupted"
+    cfg["history"] = (hist + [entry])[-20:]
+
+
 def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, Any],
                  release_digest: str | None) -> list[str]:
     """One message per earlier stage, not run now, whose recorded outputs were computed with other
@@ -335,16 +352,35 @@ def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, An
 
 
 def effective_status(run_dir_: Path, cfg: dict[str, Any] | None = None) -> str | None:
-    """config.json's status, except that a "running" run whose lock nobody holds is "interrupted"."""
+    """config.json's status, except that a "running" run whose lock nobody holds is "interrupted".
+    Read from the file, such a run (killed without a chance to say so) is also recorded as
+    interrupted there, with the running notebook."""
+    path = Path(run_dir_) / "config.json"
+    from_file = cfg is None
     if cfg is None:
         try:
-            cfg = json.loads((Path(run_dir_) / "config.json").read_text())
+            cfg = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
     st = cfg.get("status")
     if st == "running" and not runlock.is_held(Path(run_dir_)):
+        if from_file:
+            mark_interrupted(path, cfg)
         return "interrupted"
     return st
+
+
+def mark_interrupted(path: Path, cfg: dict[str, Any]) -> None:
+    """Record in config.json that a run stopped without finishing (its process was killed)."""
+    now = _now()
+    cfg.update(status="interrupted", interrupted_seen=now)
+    for entry in cfg.get("notebooks", []):
+        if entry.get("status") == "running":
+            entry.update(status="interrupted")
+    try:
+        write_json(path, cfg)
+    except OSError:
+        pass  # a read-only run directory: the status is still reported as interrupted
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,8 +431,12 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
     """
     executor = executor or _execute
     echo = echo or (lambda msg: print(msg, flush=True))
+    found_by = resolve_release(params=params)[1]   # which rule found the data (config.resolve_release)
     params = resolve_paths(params)
     steps = plan(params, only, notebook_dir)
+    if any(s.run and s.number not in ("01", "08", "09") for s in steps):
+        check_gpu(params, source)   # one line, before any notebook, when a stage needs a GPU that is not here
+        check_servers(params, source)   # every configured OpenAI-compatible server answers, or one line
     preflight(params, steps, source)
     rd = run_dir(params)
     try:
@@ -407,7 +447,7 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
         raise PipelineError(f"cannot create or lock the run directory {rd}: {e.strerror or e}; choose a "
                             "writable output_root (e.g. --set output_root=/tmp/memtoc-out)") from None
     cfg_path = rd / "config.json"
-    cfg: dict[str, Any] = {}
+    cfg: dict[str, Any] = {"release": {"dir": params["release_dir"], "found_by": found_by}}
     saved_env = os.environ.get(progress.ENV)
     try:
         return _run_locked(params, only, log_output, steps, rd, cfg, executor, echo, lock)
@@ -483,11 +523,7 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
     })
     # keep the history of earlier invocations of the same run (resumes, --only reruns)
     if old:
-        hist = old.pop("history", [])
-        entry = {k: old.get(k) for k in ("started", "finished", "status", "only", "notebooks")}
-        if entry["status"] == "running":   # we hold the lock: that run died without saying so
-            entry["status"] = "interrupted"
-        cfg["history"] = (hist + [entry])[-20:]
+        carry_history(old, cfg)
     write_json(cfg_path, cfg)
 
     to_run = [s for s in steps if s.run]
@@ -541,9 +577,7 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
         for line in notebook_notices(dst):
             echo(f"      {line}")
         entry.update(status="ok", seconds=secs, finished=_now())
-        sp = stage_params(params, s.number, digest)
-        stages[s.name] = {"number": s.number, "params_sha256": params_sha256(sp), "params": sp,
-                          "finished": entry["finished"]}
+        stages[s.name] = stage_record(params, s.number, digest, entry["finished"])
         write_json(cfg_path, cfg)
         echo(f"      {s.name} done in {secs:.1f} s")
     cfg.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
+from .io import json_line
+
 T = TypeVar("T")
 
 
@@ -83,10 +85,10 @@ class Episode:
 
 
 def dumps(obj: Any) -> str:
-    """One JSON line, non-ASCII kept (what every JSONL file of a run uses)."""
+    """One JSON line (:func:`memtoc.io.json_line`: what every JSONL file of a run uses)."""
     if hasattr(obj, "to_dict"):
         obj = obj.to_dict()
-    return json.dumps(obj, ensure_ascii=False)
+    return json_line(obj)
 
 
 def unique_by(items: Iterable[T], key: Callable[[T], Any]) -> list[T]:

@@ -7,6 +7,7 @@ import argparse
 from . import pipeline
 from .config import load_params, run_dir
 from .dryrun import dry_run
+from .servers import server_report
 
 
 def cli(argv: list[str]) -> int:
@@ -31,6 +32,8 @@ def cli(argv: list[str]) -> int:
         return 0
     if a.dry_run:
         print(dry_run(params, a.only, source=a.params))
+        for line in server_report(params):
+            print(line)
         return 0
     try:
         pipeline.run(params, a.only, log_output=a.log_output, source=a.params)

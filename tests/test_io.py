@@ -48,3 +48,21 @@ def test_hashes(tmp_path):
     f = tmp_path / "w.bin"
     f.write_bytes(b"x" * 100_000)
     assert io.sha256_file(f, chunk=4096) == hashlib.sha256(b"x" * 100_000).hexdigest()
+
+
+def test_json_lines_never_hold_a_character_other_readers_split_on():
+    from memtoc.io import json_line, write_jsonl
+    from memtoc.records import dumps
+    row = {"reply": "one\u2028two\u2029three\x85four", "plain": "Zürich — ok"}
+    line = json_line(row)
+    assert len(line.splitlines()) == 1 and json.loads(line) == row and "Zürich — ok" in line
+    assert dumps(row) == line
+
+
+def test_transfer_score_output_is_one_line_per_record(tmp_path):
+    from memtoc.jsonl import write_output
+    from memtoc.config import MemtocError
+    out = tmp_path / "scored.jsonl"
+    write_output([{"response": "A\u2028B"}, {"response": "C"}], out, MemtocError)
+    text = out.read_text(encoding="utf-8")
+    assert len(text.splitlines()) == 2 and [json.loads(l) for l in text.splitlines()][0]["response"] == "A\u2028B"

@@ -152,6 +152,8 @@ def test_sigkill_leaves_a_run_that_reads_as_interrupted(tmp_path):
         p.wait()
     assert json.loads((rd / "config.json").read_text())["status"] == "running"   # what the file says...
     assert pipeline.effective_status(rd) == "interrupted"                          # ...and what it means
+    cfg = json.loads((rd / "config.json").read_text())                             # ...now recorded there too
+    assert cfg["status"] == "interrupted" and cfg["notebooks"][0]["status"] == "interrupted"
     r = subprocess.run([sys.executable, "-m", "memtoc", "run", SMOKE, "--set", f"output_root={tmp_path / 'out'}",
                         "--list"], capture_output=True, text=True, timeout=120)
     assert "last run interrupted" in r.stdout

@@ -46,6 +46,7 @@ from typing import Any, Iterable, Optional, Sequence
 import pandas as pd
 
 from ..config import MemtocError
+from ..io import json_line
 from ..jsonl import json_lines, read_lines, split_lines
 from ..scoring import canon
 
@@ -253,7 +254,7 @@ def load_items(dataset: str = BUILTIN) -> tuple[list[TransferItem], dict[str, An
 def write_items(items: Sequence[TransferItem], path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(i.to_json(), ensure_ascii=False) + "\n" for i in items), encoding="utf-8")
+    path.write_text("".join(json_line(i.to_json()) + "\n" for i in items), encoding="utf-8")
     return path
 
 
