@@ -40,14 +40,17 @@ question clusters resampled jointly across formulations). ::
     /models/<model>/prompting/untreated/<form>/<metric>   interval object on the same questions
     /models/<model>/prompting/<arm>/<form>/<metric>  interval object; arms warn, prior, flag; metrics
                                                      retention, tool_follow, wrong_follow, err_abstain
-    /models/<model>/prompting/<arm>/contrasts/<metric>    contrast object vs untreated; retention in
-                                                     the family prompting_retention (models ×
+    /models/<model>/prompting/<arm>/contrasts/<metric>    contrast object vs untreated (pooled slice);
+                                                     retention in prompting_retention, tool_follow in
+                                                     prompting_tool_follow (instruction-tuned models ×
                                                      strategies), the other metrics uncorrected
+    /models/<model>/prompting/<arm>/contrasts_by_formulation/<form>/<metric>   the same contrast on
+                                                     one formulation (the families' other slices)
     /models/<model>/prompting/<arm>/success          stats.success_criterion: {"passed": bool,
                                                      "retention_up", "tool_drop", "retention_delta",
                                                      "retention_p", "tool_delta", "tool_p", "alpha",
                                                      "reason"} (retention up significantly after Holm
-                                                     and no significant drop in tool_follow)
+                                                     and no significant drop in tool_follow after Holm)
     /models/<model>/protocol/...                     the no_protocol_sentence ablation, laid out like
                                                      prompting (arm no_protocol_sentence, no success)
     /models/<model>/frames/n_questions               int
@@ -58,11 +61,11 @@ question clusters resampled jointly across formulations). ::
                                                      retention, tool_follow, wrong_follow (cell-restricted)
     /models/<model>/frames/<frame>/contrasts/<metric>     contrast vs schema (retention too); retention
                                                      in frames_retention (models × frames)
+    /models/<model>/frames/<frame>/contrasts_by_formulation/<form>/<metric>   per formulation
     /models/<model>/far/n_common                     int: questions with both a far and a near episode
     /models/<model>/far/<near|far>/<form>/<metric>   interval object: retention, wrong_follow,
                                                      incorrect_value_follow on the common support
-    /models/<model>/far/contrasts/<metric>           contrast far − near; retention in far_retention
-                                                     (models)
+    /models/<model>/far/contrasts/<metric>           contrast far − near, pooled (uncorrected)
     /models/<model>/payloads/n_questions             int
     /models/<model>/payloads/<kind>/<form>/err_abstain    interval object; kinds service_unavailable
                                                      (the paper's), timeout, permission_denied
@@ -82,16 +85,17 @@ question clusters resampled jointly across formulations). ::
                                                      changes
     /models/<model>/formulation_spread/<metric>      max − min of the headline rate over formulations
                                                      (metrics.formulation_spread; the paper's §5.3)
-    /models/<model>/far/contrasts_reference/<metric> far − near on the Reference formulation alone
+    /models/<model>/far/contrasts_reference/<metric> far − near on the Reference formulation alone;
+                                                     retention in far_retention (every model)
     /models/<model>/protocol/no_protocol_sentence/contrasts_reference/<metric>   likewise
     /models/<model>/closed_book                      {"final_line_with_tool": {"n", "rate"},
                                                      "final_line_closed_book", "forced_vs_permissive":
                                                      {<form>|pooled: {"n", "both_answered",
                                                      "same_correctness", "permissive_abstained"}}} (App. D)
-    /holm_families/<family>                          {"metric", "axes", "slices", "description",
-                                                     "members": {member: p_holm}}: prompting_retention
-                                                     (models × strategies), frames_retention (models ×
-                                                     frames), far_retention (models); pooled slice
+    /holm_families/<family>                          every evaluation family of stats.FAMILIES:
+                                                     {"metric", "axes", "models", "slices", "test",
+                                                     "description", "members": {slice: {member:
+                                                     p_holm}}} (slices without members left out)
     /ranking_stability/<metric>                      stats.ranking_stability over the models, for the
                                                      four headline metrics: {"rule", "orders":
                                                      {"pooled": [...], <form>: [...]},
@@ -100,8 +104,13 @@ question clusters resampled jointly across formulations). ::
                                                      base model, Reference only), "pairwise_note",
                                                      "pairs", "stable_pairs" (a weaker pairwise reading)}
     /cross_model/<metric>                            {"formulation": "reference", "all_pairs": {"a|b":
-                                                     two-proportion z-test + p_holm}, "base_vs_instruct"}
-                                                     (App. E; retention and wrong_follow)
+                                                     two-proportion z-test + p_holm}, "base_vs_instruct":
+                                                     {"base|instruct": z-test}} (App. E; retention and
+                                                     wrong_follow; families cross_model_ztest_<metric>,
+                                                     base_vs_instruct_ztest_<metric>)
+    /cross_model/retention/base_vs_instruct_paired/<base|instruct>   contrast object base − instruct,
+                                                     paired by question on the Reference formulation,
+                                                     family base_vs_instruct_paired_retention (App. E C)
 
 Sections whose episodes are absent from the run (an extra arm turned off) are omitted.
 """
@@ -317,11 +326,15 @@ def _variants_vs_base(base: pd.DataFrame, base_name: str, variants: dict[str, pd
     for m in metric_names:
         add_rates(out[base_name], m, base_units[m], forms, n_boot, seed)
     for name, d in variants.items():
-        out[name] = {"contrasts": {}}
+        out[name] = {"contrasts": {}, "contrasts_by_formulation": {}}
         for m in metric_names:
             u = metric_units(d, m)
             add_rates(out[name], m, u, forms, n_boot, seed)
             out[name]["contrasts"][m] = contrast(u, base_units[m], n_boot, n_perm, seed, name, base_name)
+            b = base_units[m]
+            for f in forms:      # the preregistered families are corrected in every slice
+                out[name]["contrasts_by_formulation"].setdefault(f, {})[m] = contrast(
+                    u[u["formulation"] == f], b[b["formulation"] == f], n_boot, n_perm, seed, name, base_name)
     return out
 
 
@@ -532,46 +545,18 @@ def model_summary(scored: pd.DataFrame, memory: pd.DataFrame | None = None,
 
 
 # --------------------------------------------------------------------------------------------------
-# Holm families (stats.FAMILIES): applied across models, once every model's contrasts exist
-
-# family -> (section of a model summary, contrast path inside it); members "model|<arm|frame>" or "model"
-EVALUATION_FAMILIES = {
-    "prompting_retention": ("prompting", PROMPTING_ARMS),
-    "frames_retention": ("frames", ALT_FRAMES),
-    "far_retention": ("far", None),
-}
+# Holm families: declared and applied by stats (stats.FAMILIES, stats.apply_families), once every
+# model's contrasts exist
 
 
 def apply_families(models: dict[str, dict], alpha: float = 0.05) -> dict[str, dict]:
-    """Holm-correct the paper's evaluation families across models (in place) and return
-    ``{family: {member: p_holm}}``. Prompting: retention over models x strategies; frames:
-    retention over models x frames; far: retention over models. Contrasts of other metrics (the
-    diagnostics) keep ``p_holm`` None: they are not corrected. Then the success criterion of each
-    prompting arm is computed (``stats.success_criterion``) from the family-adjusted retention p and
-    the uncorrected correct-tool following p."""
-    out: dict[str, dict] = {}
-    for fam, (section, variants) in EVALUATION_FAMILIES.items():
-        members: dict[str, dict] = {}
-        for model, ms in models.items():
-            sec = ms.get(section)
-            if not sec:
-                continue
-            if variants is None:
-                c = sec.get("contrasts", {}).get("retention")
-                if c:
-                    members[stats.FAMILIES[fam].key(model)] = c
-                continue
-            for v in variants:
-                c = (sec.get(v) or {}).get("contrasts", {}).get("retention")
-                if c:
-                    members[stats.FAMILIES[fam].key(model, v)] = c
-        if not members:
-            continue
-        adj = stats.holm_family(fam, {k: {"p": c.get("p")} for k, c in members.items()}, alpha)
-        for k, c in members.items():
-            c["p_holm"] = adj[k]["p_holm"]
-            c["family"] = fam
-        out[fam] = {k: adj[k]["p_holm"] for k in members}
+    """Holm-correct the evaluation families whose contrasts sit in the model summaries (in place;
+    ``stats.apply_families``: prompting and frames per formulation and pooled, far on the Reference
+    formulation, the base models left out where a family says so) and return ``{family: {slice:
+    {member: p_holm}}}``. Contrasts of other metrics (the diagnostics) keep ``p_holm`` None. Then the
+    success criterion of each prompting arm (``stats.success_criterion``) reads the family-adjusted
+    retention and correct-tool following p values."""
+    out = stats.apply_families(models, "evaluation", base_models(models), alpha)
     for ms in models.values():
         if ms.get("prompting"):
             add_success(ms["prompting"], alpha)
@@ -579,35 +564,19 @@ def apply_families(models: dict[str, dict], alpha: float = 0.05) -> dict[str, di
 
 
 def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dict]:
-    """The fine-tuning families on a ``summaries/finetuning.json`` dict (in place): retention over
-    models x objectives and correct-tool following over models x objectives, each corrected
-    separately in every slice (each formulation, and pooled); the other metrics (diagnostics) keep
-    ``p_holm`` None. Recomputes ``criterion`` / ``criterion_by_formulation`` with the adjusted p
-    values and records the families under ``/holm_families``. Returns ``{family: {slice:
-    {member: p_holm}}}``."""
+    """The fine-tuning families on a ``summaries/finetuning.json`` dict (in place,
+    ``stats.apply_families``): retention and correct-tool following, each over models x objectives
+    and corrected separately in every slice (each formulation, and pooled); the other metrics
+    (diagnostics) keep ``p_holm`` None. Recomputes ``criterion`` / ``criterion_by_formulation`` with
+    the adjusted p values and records the families under ``/holm_families``. Returns ``{family:
+    {slice: {member: p_holm}}}``."""
     models = summary.get("models") or {}
-    fams = {"retention": "finetune_retention", "tool_follow": "finetune_tool_follow"}
-    applied: dict[str, dict] = {}
     for ms in models.values():
         for os_ in (ms.get("objectives") or {}).values():
-            for metric, by_slice in (os_.get("deltas") or {}).items():
-                if metric not in fams:
-                    for c in by_slice.values():
-                        c["p_holm"], c["family"] = None, None
-    for metric, fam in fams.items():
-        slices = sorted({sl for ms in models.values() for os_ in (ms.get("objectives") or {}).values()
-                         for sl in ((os_.get("deltas") or {}).get(metric) or {})})
-        for sl in slices:
-            members = {}
-            for model, ms in models.items():
-                for obj, os_ in (ms.get("objectives") or {}).items():
-                    c = ((os_.get("deltas") or {}).get(metric) or {}).get(sl)
-                    if c:
-                        members[stats.FAMILIES[fam].key(model, obj)] = c
-            adj = stats.holm_family(fam, {k: {"p": c.get("p")} for k, c in members.items()}, alpha)
-            for k, c in members.items():
-                c["p_holm"], c["family"] = adj[k]["p_holm"], fam
-            applied.setdefault(fam, {})[sl] = {k: adj[k]["p_holm"] for k in members}
+            for by_slice in (os_.get("deltas") or {}).values():
+                for c in by_slice.values():
+                    c["p_holm"], c["family"] = None, None
+    applied = stats.apply_families(models, "finetune", (), alpha)
     for ms in models.values():
         for os_ in (ms.get("objectives") or {}).values():
             d = os_.get("deltas") or {}
@@ -618,8 +587,7 @@ def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dic
             if POOLED in crit:
                 os_["criterion"] = crit.pop(POOLED)
             os_["criterion_by_formulation"] = crit
-    summary["holm_families"] = {fam: {**stats.families_summary()[fam], "members": applied.get(fam, {})}
-                                for fam in fams.values()}
+    summary["holm_families"] = stats.families_summary("finetune", applied)
     return applied
 
 
@@ -701,14 +669,15 @@ def closed_book_section(scored: pd.DataFrame, memory: pd.DataFrame | None, run_d
 def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence[str] = ("retention", "wrong_follow"),
                         alpha: float = 0.05) -> dict:
     """Unpaired cross-model contrasts (App. E): per metric, two-proportion z-tests on the Reference
-    formulation's counts (the base model is reported there only), Holm over every model pair, and
-    the planned base-vs-instruct family (base minus each instruct) when the run has a base model.
-    ``{metric: {"all_pairs": {"a|b": {...}}, "base_vs_instruct": {...}}}``."""
+    formulation's counts (the base model is reported there only), Holm over every model pair
+    (``cross_model_ztest_<metric>``) and over the planned base-vs-instruct pairs (base minus each
+    instruct, ``base_vs_instruct_ztest_<metric>``) when the run has a base model.
+    ``{metric: {"formulation", "all_pairs": {"a|b": {...}}, "base_vs_instruct": {...}}}``."""
     out: dict[str, Any] = {}
     names = list(model_summaries)
     if len(names) < 2:
         return out
-    bases = set(base_models(names))
+    bases = base_models(names)
     for m in metric_names:
         counts = {}
         for mod, s in model_summaries.items():
@@ -717,11 +686,49 @@ def cross_model_section(model_summaries: dict[str, dict], metric_names: Sequence
                 counts[mod] = (int(round(iv["value"] * iv["n"])), int(iv["n"]))
         if len(counts) < 2:
             continue
-        sec = {"formulation": REFERENCE_FORMULATION, "all_pairs": stats.two_proportion_holm(counts, alpha=alpha)}
-        pairs = [(b, i) for b in bases if b in counts for i in counts if i not in bases]
+        sec = {"formulation": REFERENCE_FORMULATION,
+               "all_pairs": stats.two_proportion_holm(counts, f"cross_model_ztest_{m}", alpha=alpha)}
+        fam = stats.declared_family(f"base_vs_instruct_ztest_{m}")
+        pairs = stats.family_models(fam, list(counts), bases)
         if pairs:
-            sec["base_vs_instruct"] = stats.two_proportion_holm(counts, pairs, alpha, "base_vs_instruct_retention")
+            sec["base_vs_instruct"] = stats.two_proportion_holm(counts, fam.name, pairs, alpha)
         out[m] = plain(sec)
+    return out
+
+
+def paired_base_vs_instruct(scored_by_model: dict[str, pd.DataFrame], n_boot: int = stats.DEFAULT_N_BOOT,
+                            n_perm: int = 10000, seed: int = 0, alpha: float = 0.05) -> dict:
+    """The question-paired base-vs-instruct families (App. E family C; ``stats.FAMILIES`` entries
+    with ``models == "base_vs_instruct"`` and the sign-flip test): per family, base minus each
+    instruction-tuned model on the untreated, schema-frame episodes of each slice (the Reference
+    formulation), paired on common (formulation, qkey) support and clustered by question, Holm over
+    the pairs. ``{metric: {"base|instruct": contrast object}}``."""
+    out: dict[str, Any] = {}
+    bases = base_models(scored_by_model)
+    for fam in stats.FAMILIES.values():
+        if fam.models != "base_vs_instruct" or fam.test != "sign-flip":
+            continue
+        for sl in fam.slices:
+            members = {}
+            for b, i in stats.family_models(fam, list(scored_by_model), bases):
+                ub, ui = (metric_units(select_arm(scored_by_model[x]), fam.metric) for x in (b, i))
+                if sl != POOLED:
+                    ub, ui = ub[ub["formulation"] == sl], ui[ui["formulation"] == sl]
+                members[fam.key(b, i)] = contrast(ub, ui, n_boot, n_perm, seed, b, i)
+            if members:
+                stats.correct_members(fam, members, alpha)
+                out.setdefault(fam.metric, {}).update(members)
+    return plain(out)
+
+
+def cross_model_families(cross: dict) -> dict[str, dict]:
+    """``{family: {slice: {member: p_holm}}}`` of the cross-model families in a ``/cross_model``
+    section (every member carries its ``family``; the slice is the section's formulation)."""
+    out: dict[str, dict] = {}
+    for sec in cross.values():
+        for part in ("all_pairs", "base_vs_instruct", "base_vs_instruct_paired"):
+            for k, c in (sec.get(part) or {}).items():
+                out.setdefault(c["family"], {}).setdefault(sec["formulation"], {})[k] = c["p_holm"]
     return out
 
 
@@ -743,7 +750,11 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
         if cb:
             models[m]["closed_book"] = cb
     applied = apply_families(models, kw["alpha"])
-    families = {f: {**stats.families_summary()[f], "members": applied.get(f, {})} for f in EVALUATION_FAMILIES}
+    cross = cross_model_section(models, alpha=kw["alpha"])
+    for metric, paired in paired_base_vs_instruct(scored_by_model, kw["n_boot"], kw["n_perm"], kw["seed"],
+                                                  kw["alpha"]).items():
+        cross.setdefault(metric, {"formulation": REFERENCE_FORMULATION})["base_vs_instruct_paired"] = paired
+    applied.update(cross_model_families(cross))
     return plain({
         "schema_version": SCHEMA_VERSION,
         "run_name": cfg.run_name,
@@ -752,9 +763,9 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
         "formulations": forms,
         "metrics": metrics.definitions(),
         "models": models,
-        "holm_families": families,
+        "holm_families": stats.families_summary("evaluation", applied),
         "ranking_stability": ranking_section(models),
-        "cross_model": cross_model_section(models, alpha=kw["alpha"]),
+        "cross_model": cross,
     })
 
 

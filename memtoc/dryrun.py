@@ -138,6 +138,29 @@ def dpo_seconds(n_examples: float, params_b: float) -> float:
     return n_examples * TRAIN_TOKENS_PER_EXAMPLE * 16 * params_b * 1e9 / (GPU_TFLOPS * 1e12 * MFU)
 
 
+def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) -> list[dict[str, Any]]:
+    """The judge engine's memory line (notebook 03 loads it after closing the run's generators, so
+    it needs its own GPU share, not one beside theirs); [] without a judge or a parameter count."""
+    j = params.get("judge")
+    if not j:
+        return []
+    try:
+        spec = models.get_model(j["model"])
+    except models.ModelError:
+        spec = models.ModelSpec(j["model"], j["model"], "remote")
+    e = estimate_model(spec, j["backend"], params["dtype"], j.get("backend_options") or {})
+    if e["weights_gb"] is None:
+        lines.append(f"  judge {spec.name:<26} {j['backend']}: memory unknown (no parameter count)")
+        return []
+    gpu = f"{e['gpu_class']} GB GPU" if e["gpu_class"] else "no single GPU (needs more than 80 GB)"
+    lines.append(f"  judge {spec.name:<26} {spec.params_b:g}B params, {e['quant']}: weights ~{e['weights_gb']:.0f} GB, "
+                 f"needs ~{e['gpu_gb']:.0f} GB -> {gpu} (loaded in 03 after the run's generators are closed)")
+    if e["gpu_class"] is None:
+        cannot.append(f"the judge {spec.name} needs ~{e['gpu_gb']:.0f} GB of GPU memory; raise "
+                      "judge.backend_options.gpu_memory_utilization or use a smaller judge")
+    return [e]
+
+
 def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> str:
     """The plan as text; raises ConfigError (one line) for what cannot run."""
     params = resolve_paths(params)
@@ -177,6 +200,7 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
         if e["gpu_class"] is None:
             cannot.append(f"{spec.name} in {e['quant']} needs ~{e['gpu_gb']:.0f} GB of GPU memory, more than one "
                           "80 GB GPU; use a quantized checkpoint (e.g. AWQ-int4) or a smaller model")
+    judge_est = judge_memory(params, lines, cannot)
     if cannot:
         raise ConfigError(f"{source}: cannot run: " + "; ".join(cannot))
 
@@ -289,7 +313,7 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
     lines.append(f"total generation + training, rough: ~{_dur(total_s)}"
                  + (" (plus the parts whose time is unknown)" if unknown_time else "")
                  + "; statistics (n_boot, n_perm) and the report add minutes")
-    need = max((e["gpu_class"] or 0) for e in est.values()) if est else 0
+    need = max((e["gpu_class"] or 0) for e in [*est.values(), *judge_est]) if est or judge_est else 0
     if params["backend"] == "vllm":
         lines.append(f"needs: a CUDA GPU with at least {need} GB and the vllm package (pip install 'memtoc[gpu]')"
                      + ("; 04 trains and evaluates with transformers" if ft_on else ""))

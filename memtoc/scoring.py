@@ -66,6 +66,7 @@ class ScoreInputError(MemtocError):
 _MARKER = re.compile(r"final\s*:\s*", re.IGNORECASE)
 _QUOTE_CHARS = frozenset("'\"\u2019\u2018\u201c\u201d`")
 _PLACEHOLDER = "<answer>"
+_ANSWER_LABEL = re.compile(r"^[\s*_]*(?:final\s+)?answer\s*:\s*", re.IGNORECASE)
 
 
 def _lines(text: str) -> list[str]:
@@ -84,8 +85,24 @@ def extract_final(text: Optional[str]) -> str:
     No word boundary before the marker ("semifinal: X" counts); hits preceded by a quote character
     are ignored unless every hit is quoted; an echoed ``<answer>`` placeholder falls back to the
     text after it or to the last line before the marker; without a marker the last line is used,
-    with the loop-truncation fix.
+    with the loop-truncation fix. Then a leading answer label is dropped
+    (:func:`strip_answer_label`: memtoc's one addition, so every consumer of the span sees it).
     """
+    return strip_answer_label(_marked_or_last_line(text))
+
+
+def strip_answer_label(span: str) -> str:
+    """``span`` without a leading answer label, "Answer:" or "Final answer:" (any case, spaces
+    allowed before the colon; leading markdown emphasis goes with it, what follows the colon stays,
+    as for the FINAL marker). Base models label their first line so ("Answer: 1851"); "Final
+    answer:" is not a FINAL marker (PROTOCOL §1: the colon must follow "final"). "A:" is left
+    alone: it is an option label of the multiple-choice transfer set ("A: <text>" names option A
+    there, ``transfer.matcher``), and as an article it already drops out of ``canon``."""
+    return _ANSWER_LABEL.sub("", span, count=1)
+
+
+def _marked_or_last_line(text: Optional[str]) -> str:
+    """PROTOCOL §1 rules 1-6, unchanged."""
     if not text:
         return ""
     text = str(text)

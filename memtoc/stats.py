@@ -7,11 +7,12 @@ signs gives the permutation distribution. Percentile intervals use the release's
 (sorted replicates at ``int(0.025 B)`` and ``min(B-1, int(0.975 B))``; 25 and 975 for B = 1000).
 Holm and the z-test come from statsmodels.
 
-The paper's Holm families are data: :data:`FAMILIES` names each family, the metric it corrects,
-the axes its members span and its slices; :func:`holm_family` corrects one, and the evaluation and
-fine-tuning stages apply them across models (``analyses.apply_families``,
-``analyses.apply_finetune_families``). :func:`success_criterion` is the one definition of the
-asymmetric criterion (the notebooks, the report and ``memtoc verify --published`` use it). The
+The paper's preregistered Holm families are data, defined and applied here: :data:`FAMILIES`
+names each family, the metric it corrects, its members (models x variants, which models), its
+slices and its test; :func:`apply_families` corrects the families whose contrasts sit in the model
+summaries, slice by slice, and :func:`holm_family` one slice of a family computed across models
+(the cross-model tests). :func:`success_criterion` is the one definition of the asymmetric
+criterion (the notebooks, the report and ``memtoc verify --published`` use it). The
 sign-flip draws and the default ``n_boot`` (1,000) are the release's, so the same units give the
 release's intervals and p values.
 """
@@ -26,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from .config import MemtocError
+from .vocab import ALT_FRAMES, FORMULATIONS, PROMPTING_ARMS, REFERENCE_FORMULATION
 
 DEFAULT_N_BOOT = 1000     # the release's n_boot (scripts/build_paired_treatment_summary.py: N_BOOT = 1000)
 DEFAULT_N_PERM = 10000
@@ -212,18 +214,40 @@ def holm_families(families: Mapping[str, Mapping[str, Mapping[str, Any]]], alpha
 
 
 # --------------------------------------------------------------------------------------------
-# Holm families as the paper declares them (§4.5, App. E; PROTOCOL §6.3). Each family is data: a
-# name, the metric it corrects, the axes its members span and the slices it is formed in. Members
-# are keyed "model|<axis value>" (or "model" when the only axis is the model); a family is
-# corrected separately in each slice (each formulation, and pooled). Metrics not named by a family
-# (the diagnostics) stay uncorrected.
+# The paper's preregistered Holm families (§4.5, App. E; PROTOCOL §6.3: "Holm correction inside
+# pre-declared families"), defined once here and applied from this definition
+# (:func:`apply_families` for the families whose contrasts sit in the model summaries,
+# :func:`holm_family` for the cross-model ones computed across models). A family is corrected
+# separately in each of its slices (a formulation, or "pooled"). Contrasts of metrics no family
+# names (the diagnostics) stay uncorrected.
+
+POOLED_SLICE = "pooled"
+EVERY_SLICE = FORMULATIONS + (POOLED_SLICE,)       # each formulation and pooled
+REFERENCE_SLICE = (REFERENCE_FORMULATION,)
+TESTS = ("sign-flip", "z-test")                     # paired by question / unpaired two-proportion
+MODEL_RULES = ("all", "instruct", "base_vs_instruct", "all_pairs")
+
 
 @dataclass(frozen=True)
 class HolmFamily:
+    """One preregistered family. Members are keyed ``"|".join(axes values)``: ``model|variant`` when
+    ``variants`` is not empty, ``model`` otherwise, ``a|b`` for the cross-model pairs.
+
+    ``models``: which models contribute ("all"; "instruct": the base models left out;
+    "base_vs_instruct": base minus each instruction-tuned model; "all_pairs": every pair).
+    ``pointer``: where a member's contrast sits inside one model's summary (``{variant}``,
+    ``{metric}``, ``{slice}``; ``{contrasts}`` is ``contrasts`` for the pooled slice and
+    ``contrasts_by_formulation/<formulation>`` otherwise); None for the cross-model families,
+    whose members are computed across models and corrected with :func:`holm_family`."""
     name: str
     metric: str                      # the metric whose contrasts the family corrects
-    axes: tuple[str, ...]            # what the members span, e.g. ("model", "objective")
-    slices: str                      # "each formulation and pooled" / "reference" ...
+    stage: str                       # the summary that holds it: "evaluation" | "finetune"
+    axes: tuple[str, ...]            # what the member keys span, e.g. ("model", "strategy")
+    variants: tuple[str, ...]        # the second axis' values (arms, frames, objectives); () = none
+    models: str                      # one of MODEL_RULES
+    slices: tuple[str, ...]          # each corrected separately
+    test: str                        # one of TESTS
+    pointer: Optional[str]
     description: str
 
     def key(self, *parts: Any) -> str:
@@ -232,55 +256,144 @@ class HolmFamily:
                                   f"({', '.join(self.axes)}), got {parts}")
         return "|".join(map(str, parts))
 
+    def locate(self, model_summary: Mapping[str, Any], variant: Optional[str], slice_: str) -> Optional[dict]:
+        """The contrast dict of one member in one slice of a model summary (None when absent)."""
+        if self.pointer is None:
+            raise StatsInputError(f"Holm family {self.name} is computed across models; use holm_family")
+        contrasts = "contrasts" if slice_ == POOLED_SLICE else f"contrasts_by_formulation/{slice_}"
+        path = self.pointer.format(variant=variant, metric=self.metric, slice=slice_, contrasts=contrasts)
+        node: Any = model_summary
+        for part in path.split("/"):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        return node if isinstance(node, dict) and node else None
+
+
+_OBJECTIVES = ("sft", "dpo")     # the paper's objectives (blockconfig.finetune.OBJECTIVES; equal, tested)
+
+_EVAL, _FT, _PAIRED, _Z = "evaluation", "finetune", "sign-flip", "z-test"
 
 FAMILIES: dict[str, HolmFamily] = {f.name: f for f in (
-    HolmFamily("finetune_retention", "retention", ("model", "objective"), "each formulation and pooled",
+    HolmFamily("prompting_retention", "retention", _EVAL, ("model", "strategy"), PROMPTING_ARMS, "instruct",
+               EVERY_SLICE, _PAIRED, "prompting/{variant}/{contrasts}/{metric}",
+               "prompting: retention change over the instruction-tuned models x strategies (warn, prior, flag)"),
+    HolmFamily("prompting_tool_follow", "tool_follow", _EVAL, ("model", "strategy"), PROMPTING_ARMS, "instruct",
+               EVERY_SLICE, _PAIRED, "prompting/{variant}/{contrasts}/{metric}",
+               "prompting: correct-tool following change over the instruction-tuned models x strategies "
+               "(the success criterion's tool-drop guard)"),
+    HolmFamily("frames_retention", "retention", _EVAL, ("model", "frame"), ALT_FRAMES, "all", EVERY_SLICE,
+               _PAIRED, "frames/{variant}/{contrasts}/{metric}",
+               "presentation frames: retention change over models x frames (no_schema, passage) vs schema"),
+    HolmFamily("far_retention", "retention", _EVAL, ("model",), (), "all", REFERENCE_SLICE, _PAIRED,
+               "far/contrasts_reference/{metric}",
+               "far vs near incorrect values: retention change over every model, base included, on the "
+               "Reference formulation (App. C: the base model +19.4 points, Holm p 0.0015, n 103)"),
+    HolmFamily("finetune_retention", "retention", _FT, ("model", "objective"), _OBJECTIVES, "all", EVERY_SLICE,
+               _PAIRED, "objectives/{variant}/deltas/{metric}/{slice}",
                "fine-tuning: retention change over models x objectives (SFT, DPO)"),
-    HolmFamily("finetune_tool_follow", "tool_follow", ("model", "objective"), "each formulation and pooled",
-               "fine-tuning: correct-tool following change over models x objectives"),
-    HolmFamily("prompting_retention", "retention", ("model", "strategy"), "each formulation and pooled",
-               "prompting: retention change over models x strategies (warn, prior, flag)"),
-    HolmFamily("frames_retention", "retention", ("model", "frame"), "each formulation and pooled",
-               "presentation frames: retention change over models x frames"),
-    HolmFamily("far_retention", "retention", ("model",), "each formulation and pooled",
-               "far vs near incorrect values: retention change over models"),
-    HolmFamily("base_vs_instruct_retention", "retention", ("instruct",), "each formulation and pooled",
-               "cross-model: base minus each instruction-tuned model, retention (App. E family C)"),
-    HolmFamily("cross_model_pairs", "retention", ("pair",), "pooled",
-               "cross-model two-proportion z-tests over every model pair (App. E)"),
+    HolmFamily("finetune_tool_follow", "tool_follow", _FT, ("model", "objective"), _OBJECTIVES, "all",
+               EVERY_SLICE, _PAIRED, "objectives/{variant}/deltas/{metric}/{slice}",
+               "fine-tuning: correct-tool following change over models x objectives (the tool-drop guard)"),
+    HolmFamily("base_vs_instruct_paired_retention", "retention", _EVAL, ("base", "instruct"), (),
+               "base_vs_instruct", REFERENCE_SLICE, _PAIRED, None,
+               "cross-model, paired by question: base minus each instruction-tuned model, retention, "
+               "Reference formulation (App. E family C)"),
+    *(HolmFamily(f"cross_model_ztest_{m}", m, _EVAL, ("model_a", "model_b"), (), "all_pairs", REFERENCE_SLICE,
+                 _Z, None, f"cross-model, unpaired two-proportion z-tests over every model pair, {m}, "
+                 "Reference formulation (App. E)")
+      for m in ("retention", "wrong_follow")),
+    *(HolmFamily(f"base_vs_instruct_ztest_{m}", m, _EVAL, ("base", "instruct"), (), "base_vs_instruct",
+                 REFERENCE_SLICE, _Z, None, "cross-model, unpaired two-proportion z-tests: base minus each "
+                 f"instruction-tuned model, {m}, Reference formulation")
+      for m in ("retention", "wrong_follow")),
 )}
+
+
+def declared_family(name: str) -> HolmFamily:
+    """The declared family ``name`` (an unknown name is an error listing the declared ones)."""
+    if name not in FAMILIES:
+        raise StatsInputError(f"unknown Holm family {name!r}; declared: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
 def holm_family(family: str | HolmFamily, members: Mapping[str, Mapping[str, Any]],
                 alpha: float = 0.05) -> dict[str, dict[str, Any]]:
-    """Holm-correct one declared family: ``members`` maps member keys (``FAMILIES[f].key(...)``) to
-    contrast dicts carrying ``p`` or ``p_signflip``. Returns new dicts with ``p_holm``,
-    ``significant`` and ``family`` added; members without a p-value get ``p_holm`` None."""
-    if isinstance(family, str) and family not in FAMILIES:
-        raise StatsInputError(f"unknown Holm family {family!r}; declared: {', '.join(FAMILIES)}")
-    fam = FAMILIES[family] if isinstance(family, str) else family
+    """Holm-correct one declared family in one slice: ``members`` maps member keys
+    (``FAMILIES[f].key(...)``) to contrast dicts carrying ``p`` or ``p_signflip``. Returns new dicts
+    with ``p_holm``, ``significant`` and ``family`` added; members without a p-value get ``p_holm`` None."""
+    fam = declared_family(family) if isinstance(family, str) else family
     return holm_families({fam.name: members}, alpha)[fam.name]
 
 
-def families_summary() -> dict[str, dict[str, Any]]:
-    """The declared families as plain data (for the summaries): name -> metric, axes, slices,
-    description."""
-    return {n: {"metric": f.metric, "axes": list(f.axes), "slices": f.slices, "description": f.description}
-            for n, f in FAMILIES.items()}
+def family_models(fam: HolmFamily, names: Sequence[str], base_models: Sequence[str] = ()) -> list[Any]:
+    """The models (or model pairs) that contribute members to ``fam`` among ``names``."""
+    base = set(base_models)
+    if fam.models == "all":
+        return list(names)
+    if fam.models == "instruct":
+        return [m for m in names if m not in base]
+    if fam.models == "base_vs_instruct":
+        return [(b, i) for b in names if b in base for i in names if i not in base]
+    return list(itertools.combinations(names, 2))
 
 
-def two_proportion_holm(counts: Mapping[str, tuple[int, int]], pairs: Optional[Sequence[tuple[str, str]]] = None,
-                        alpha: float = 0.05, family: str = "cross_model_pairs") -> dict[str, dict[str, Any]]:
+def apply_families(model_summaries: Mapping[str, Mapping[str, Any]], stage: str,
+                   base_models: Sequence[str] = (), alpha: float = 0.05) -> dict[str, dict[str, dict]]:
+    """Apply every family of ``stage`` whose contrasts sit in the model summaries (in place):
+    per family and slice, the members' contrasts get ``p_holm`` and ``family``. Returns
+    ``{family: {slice: {member: p_holm}}}`` (slices without members left out)."""
+    out: dict[str, dict[str, dict]] = {}
+    for fam in FAMILIES.values():
+        if fam.stage != stage or fam.pointer is None:
+            continue
+        models = family_models(fam, list(model_summaries), base_models)
+        for sl in fam.slices:
+            members = {}
+            for m in models:
+                for v in fam.variants or (None,):
+                    c = fam.locate(model_summaries[m], v, sl)
+                    if c is not None:
+                        members[fam.key(m, v) if v is not None else fam.key(m)] = c
+            if members:
+                out.setdefault(fam.name, {})[sl] = correct_members(fam, members, alpha)
+    return out
+
+
+def correct_members(fam: HolmFamily, members: Mapping[str, dict], alpha: float = 0.05) -> dict[str, Any]:
+    """Holm over ``members`` (contrast dicts with ``p``; changed in place: ``p_holm``, ``family``) as
+    one slice of ``fam``. Returns ``{member: p_holm}``."""
+    adj = holm_family(fam, {k: {"p": c.get("p", c.get("p_signflip"))} for k, c in members.items()}, alpha)
+    for k, c in members.items():
+        c["p_holm"], c["family"] = adj[k]["p_holm"], fam.name
+    return {k: adj[k]["p_holm"] for k in members}
+
+
+def families_summary(stage: str, applied: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The families of ``stage`` as plain data for the summaries: name -> metric, axes, models,
+    slices, test, description and ``members`` ({slice: {member: p_holm}}, from ``applied``)."""
+    return {n: {"metric": f.metric, "axes": list(f.axes), "models": f.models, "slices": list(f.slices),
+                "test": f.test, "description": f.description, "members": dict(applied.get(n, {}))}
+            for n, f in FAMILIES.items() if f.stage == stage}
+
+
+def two_proportion_holm(counts: Mapping[str, tuple[int, int]], family: str,
+                        pairs: Optional[Sequence[tuple[str, str]]] = None,
+                        alpha: float = 0.05) -> dict[str, dict[str, Any]]:
     """Unpaired cross-model contrasts (App. E): a two-proportion z-test per pair of ``counts``
-    ({model: (k, n)}), Holm over the pairs. ``pairs`` defaults to every pair (the 10-pair family of
-    five models); pass the planned base-vs-instruct pairs for that family. Keys "a|b"; diff = a - b."""
+    ({model: (k, n)}), Holm over the pairs as one slice of the declared z-test ``family``.
+    ``pairs`` defaults to every pair (the 10-pair family of five models); pass the planned
+    base-vs-instruct pairs for that family. Keys "a|b"; diff = a - b."""
+    fam = FAMILIES.get(family)
+    if fam is None or fam.test != "z-test":
+        raise StatsInputError(f"two_proportion_holm: {family!r} is not a declared z-test family (a paired "
+                              f"family is corrected with holm_family); z-test families: "
+                              f"{', '.join(n for n, f in FAMILIES.items() if f.test == 'z-test')}")
     names = list(counts)
     pairs = list(pairs) if pairs is not None else list(itertools.combinations(names, 2))
     res = {}
     for a, b in pairs:
         (k1, n1), (k2, n2) = counts[a], counts[b]
         res[f"{a}|{b}"] = two_proportion_z(int(k1), int(n1), int(k2), int(n2))
-    return holm_family(family, res, alpha)
+    return holm_family(fam, res, alpha)
 
 
 def two_proportion_z(k1: int, n1: int, k2: int, n2: int) -> dict[str, Any]:
@@ -320,8 +433,10 @@ def success_criterion(retention_contrast: Mapping[str, Any], tool_contrast: Mapp
     """The asymmetric success criterion: retention rises significantly (Holm-adjusted p < alpha and
     delta > 0) AND correct-tool following shows no significant drop (not (delta < 0 and p < alpha)).
 
-    Each contrast is a :func:`paired_contrast` dict; ``p_holm`` is used when present (add it with
-    :func:`holm_families`), else ``p_signflip``."""
+    One rule for both sides and every adaptation (PROTOCOL §6.3, Holm inside pre-declared
+    families): each p is the contrast's ``p_holm``, its family's adjustment (prompting_* and
+    finetune_* in :data:`FAMILIES`); a contrast that carries none (a caller outside the families)
+    is read by its raw ``p`` / ``p_signflip``."""
     rp, tp = _p(retention_contrast), _p(tool_contrast)
     rd, td = retention_contrast.get("delta"), tool_contrast.get("delta")
     retention_up = rp is not None and rd is not None and rd > 0 and rp < alpha

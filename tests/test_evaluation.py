@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -170,6 +171,10 @@ def test_prompting_success_and_holm(run):
     c = sec["prior"]["contrasts"]["retention"]
     assert c["delta"] > 0 and c["p_holm"] >= c["p"] and c["family"] == "prompting_retention"
     assert sec["prior"]["pooled"]["retention"]["value"] == 1.0
+    # one tool-drop guard rule: correct-tool following is read Holm-adjusted in its family, as in fine-tuning
+    t = sec["prior"]["contrasts"]["tool_follow"]
+    assert t["family"] == "prompting_tool_follow" and t["p_holm"] is not None
+    assert sec["prior"]["success"]["tool_p"] == t["p_holm"]
     n_arb_extra = int(m.sum())
     if n_arb_extra >= 8 and sec["untreated"]["pooled"]["retention"]["value"] < 0.5:
         assert sec["prior"]["success"]["passed"] is True
@@ -178,9 +183,10 @@ def test_prompting_success_and_holm(run):
 
 def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
     """Issue 12 item 6: prompting retention is one Holm family over models x strategies (not one
-    per model); frames compute retention and form models x frames; far forms one family over
-    models; correct-tool following and the other diagnostics stay uncorrected; the summary lists
-    the families."""
+    per model), formed in every slice (each formulation and pooled); frames compute retention and
+    form models x frames; far forms one family over models on the Reference formulation;
+    incorrect-tool following and the other diagnostics stay uncorrected; the summary lists the
+    families with their slices and members."""
     P, eps, mem, gen, rd, df = run
     d2 = df.copy()
     m = (d2["arm"] == "warn") & (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
@@ -188,18 +194,53 @@ def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
     d2["model"] = "fake2"
     s = analyses.evaluation_summary({"fake": df, "fake2": d2}, None, dict(P, n_boot=100, n_perm=400))
     fam = s["holm_families"]["prompting_retention"]
-    assert fam["axes"] == ["model", "strategy"] and len(fam["members"]) == 6
-    raw = {f"{mod}|{a}": s["models"][mod]["prompting"][a]["contrasts"]["retention"]["p"]
-           for mod in ("fake", "fake2") for a in vocab.PROMPTING_ARMS}
-    expect = stats.holm(raw)
-    for k, v in fam["members"].items():
-        mod, a = k.split("|")
-        assert v == pytest.approx(expect[k])
-        assert s["models"][mod]["prompting"][a]["contrasts"]["retention"]["p_holm"] == pytest.approx(expect[k])
-        assert s["models"][mod]["prompting"][a]["contrasts"]["tool_follow"]["p_holm"] is None
-    assert len(s["holm_families"]["far_retention"]["members"]) == 2
-    assert len(s["holm_families"]["frames_retention"]["members"]) == 4
+    assert fam["axes"] == ["model", "strategy"] and fam["slices"] == list(FORMULATIONS) + ["pooled"]
+    assert set(fam["members"]) == set(FORMULATIONS) | {"pooled"}
+    for sl, members in fam["members"].items():
+        assert len(members) == 6, sl
+
+        def contrasts(mod, a, sl=sl):
+            sec = s["models"][mod]["prompting"][a]
+            return sec["contrasts"] if sl == "pooled" else sec["contrasts_by_formulation"][sl]
+        raw = {f"{mod}|{a}": contrasts(mod, a)["retention"]["p"] for mod in ("fake", "fake2") for a in vocab.PROMPTING_ARMS}
+        expect = stats.holm(raw)
+        for k, v in members.items():
+            mod, a = k.split("|")
+            assert v == pytest.approx(expect[k])
+            assert contrasts(mod, a)["retention"]["p_holm"] == pytest.approx(expect[k])
+            assert contrasts(mod, a)["wrong_follow"]["p_holm"] is None
+    assert set(s["holm_families"]["far_retention"]["members"]) == {"reference"}
+    assert len(s["holm_families"]["far_retention"]["members"]["reference"]) == 2
+    assert s["models"]["fake"]["far"]["contrasts_reference"]["retention"]["family"] == "far_retention"
+    assert s["models"]["fake"]["far"]["contrasts"]["retention"]["p_holm"] is None
+    assert len(s["holm_families"]["frames_retention"]["members"]["pooled"]) == 4
     assert "retention" in s["models"]["fake"]["frames"]["passage"]["contrasts"]
+
+
+def test_base_model_families(run):
+    """A base model (gemma-3-270m, registry chat=False) joins the far family but not the prompting
+    family (the paper's: the four instruction-tuned models x three strategies); the question-paired
+    base-vs-instruct family (sign-flip, Reference formulation) sits beside the unpaired z-tests."""
+    P, eps, mem, gen, rd, df = run
+    base = "gemma-3-270m"
+    d2 = df.assign(model=base)
+    flip = (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
+    d2.loc[flip, "outcome"] = "kept_memory"
+    s = analyses.evaluation_summary({"fake": df, base: d2}, None, dict(P, n_boot=100, n_perm=400))
+    fams = s["holm_families"]
+    assert all(not k.startswith(base) for sl in fams["prompting_retention"]["members"].values() for k in sl)
+    assert s["models"][base]["prompting"]["warn"]["contrasts"]["retention"]["p_holm"] is None
+    assert set(fams["far_retention"]["members"]["reference"]) == {"fake", base}
+    cm = s["cross_model"]["retention"]
+    paired = cm["base_vs_instruct_paired"][f"{base}|fake"]
+    assert paired["family"] == "base_vs_instruct_paired_retention" and paired["n_units"] > 0
+    assert paired["delta"] > 0 and paired["p_holm"] == pytest.approx(paired["p"])     # one member
+    assert paired["treatment"] == base and paired["baseline"] == "fake"
+    assert cm["base_vs_instruct"][f"{base}|fake"]["family"] == "base_vs_instruct_ztest_retention"
+    listed = fams["base_vs_instruct_paired_retention"]
+    assert listed["slices"] == ["reference"] and listed["test"] == "sign-flip"
+    assert listed["members"] == {"reference": {f"{base}|fake": paired["p_holm"]}}
+    assert fams["cross_model_ztest_retention"]["members"]["reference"][f"fake|{base}"] is not None
 
 
 def test_far_frames_payloads_noop_sections(run):
@@ -316,7 +357,7 @@ def test_cross_model_closed_book_and_reference_contrasts(run):
     assert set(m["far"]["contrasts_reference"]) >= {"retention", "wrong_follow"}
     assert "retention" in m["protocol"]["no_protocol_sentence"]["contrasts_reference"]
     pair = s["cross_model"]["retention"]["all_pairs"]["fake|fake2"]
-    assert pair["diff"] == 0 and pair["family"] == "cross_model_pairs"
+    assert pair["diff"] == 0 and pair["family"] == "cross_model_ztest_retention"
     assert 0 <= m["closed_book"]["final_line_with_tool"]["rate"] <= 1
     forced = pd.DataFrame({"formulation": "reference", "qkey": ["a", "b", "c", "d"],
                            "mem_absent": [False, False, False, False], "memory_correct": [True, False, True, True]})
@@ -341,7 +382,9 @@ def test_finetune_families_span_models_and_objectives():
     d = summ["models"]["a"]["objectives"]["dpo"]
     assert d["deltas"]["wrong_follow"]["pooled"]["p_holm"] is None
     assert d["criterion"]["passed"] is False and summ["models"]["a"]["objectives"]["sft"]["criterion"]["passed"]
-    assert "members" in summ["holm_families"]["finetune_retention"]
+    assert summ["holm_families"]["finetune_retention"]["members"]["pooled"] == fam
+    assert set(summ["holm_families"]["finetune_retention"]["members"]) == {"pooled", "reference"}
+    assert applied["finetune_tool_follow"]["pooled"]["a|sft"] is not None
 
 
 def test_every_extra_arm_has_its_summary_section(run):
@@ -354,3 +397,18 @@ def test_every_extra_arm_has_its_summary_section(run):
         assert s.get(spec.section), f"extra arm {spec.name}: no '{spec.section}' section"
     for arm in vocab.PROMPTING_ARMS:
         assert arm in s["prompting"]
+
+
+def test_paper_params_run_the_judged_layer_and_plan_its_memory():
+    """params/paper.yaml: the paper's judge (Qwen2.5-7B-Instruct, greedy, 32 new tokens) on vLLM;
+    the dry run's GPU plan has a line for the judge engine (no weights are loaded)."""
+    from memtoc import dryrun
+    from memtoc.config import load_params
+    P = load_params(Path(__file__).resolve().parents[1] / "params" / "paper.yaml")
+    assert P["judge"]["model"] == "qwen2.5-7b-instruct" and P["judge"]["max_new_tokens"] == 32
+    assert P["judge"]["backend"] == "vllm" and P["judge"]["backend_options"]["gpu_memory_utilization"] < 0.85
+    lines, cannot = [], []
+    est = dryrun.judge_memory(P, lines, cannot)
+    assert len(est) == 1 and est[0]["weights_gb"] > 10 and not cannot
+    assert lines[0].strip().startswith("judge qwen2.5-7b-instruct")
+    assert dryrun.judge_memory(dict(P, judge=None), [], []) == []

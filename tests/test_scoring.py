@@ -65,6 +65,38 @@ def test_extract_final(text, expected):
     assert extract_final(text) == expected
 
 
+@pytest.mark.parametrize("text,expected", [
+    # gemma-3-270m (a base model, first-line replies) labels its answer
+    ("Answer: 1851", "1851"),
+    ("Answer: The film was directed by", "The film was directed by"),
+    ("answer:1851", "1851"),
+    ("A: Paris", "A: Paris"),                        # an option label in multiple choice; canon drops "a"
+    ("Final answer: Paris", "Paris"),               # not a FINAL marker (the colon must follow "final")
+    ("FINAL ANSWER : Paris", "Paris"),
+    ("**Answer:** Paris", "** Paris"),               # markdown stays (PROTOCOL §1.7), the label goes
+    ("Reasoning.\nFINAL: Answer: Paris", "Paris"),   # behind the marker too
+    ("Answer:", ""),                                 # a label alone is no answer
+    ("Answers: many", "Answers: many"),              # only the exact labels
+    ("Answering machine", "Answering machine"),
+    ("Alabama: the state", "Alabama: the state"),
+])
+def test_extract_final_drops_a_leading_answer_label(text, expected):
+    assert extract_final(text) == expected
+
+
+def test_answer_label_reaches_every_span_consumer():
+    """The base model's labelled closed-book reply: the memory span, memory correctness and the
+    kept-memory match all see the answer without its label (memory_status / score_reply share
+    extract_final); a with-tool reply that is only the label does not 'keep' that memory."""
+    span, absent, correct = memory_status("Answer: 1851", "1851")
+    assert (span, absent, correct) == ("1851", False, True)
+    assert memory_status("Answer:", "1851") == ("", True, None)
+    s = score_reply("Answer:", "1851", "1850", span)
+    assert s["extracted"] == "" and not s["kept_memory"] and s["outcome"] == "neither"
+    s = score_reply("Answer: 1851", "1851", "1850", span)
+    assert s["extracted"] == "1851" and s["kept_memory"] and not s["followed_tool"]
+
+
 # ------------------------------------------------------------------------------------------ §2
 @pytest.mark.parametrize("raw,expected", [
     (None, ""),

@@ -301,12 +301,108 @@ def test_families_are_declared_data_and_corrected_per_family():
 
 def test_two_proportion_holm_over_model_pairs():
     counts = {"a": (30, 100), "b": (10, 100), "c": (12, 100)}
-    res = stats.two_proportion_holm(counts)
+    res = stats.two_proportion_holm(counts, family="cross_model_ztest_retention")
     assert set(res) == {"a|b", "a|c", "b|c"}
     raw = {k: stats.two_proportion_z(*counts[k.split("|")[0]], *counts[k.split("|")[1]])["p"] for k in res}
     assert {k: v["p_holm"] for k, v in res.items()} == pytest.approx(stats.holm(raw))
-    base = stats.two_proportion_holm(counts, [("a", "b"), ("a", "c")], family="base_vs_instruct_retention")
-    assert set(base) == {"a|b", "a|c"} and base["a|b"]["family"] == "base_vs_instruct_retention"
+    base = stats.two_proportion_holm(counts, "base_vs_instruct_ztest_retention", [("a", "b"), ("a", "c")])
+    assert set(base) == {"a|b", "a|c"} and base["a|b"]["family"] == "base_vs_instruct_ztest_retention"
+    with pytest.raises(stats.StatsInputError, match="paired"):       # a sign-flip family is not a z-test
+        stats.two_proportion_holm(counts, family="base_vs_instruct_paired_retention")
+
+
+# ------------------------------------------------------------------------------------------ preregistered families
+EVERY_SLICE = ("reference", "paraphrase_a", "paraphrase_b", "pooled")
+
+
+def test_preregistered_families_members_slices_and_tests():
+    """The paper's families, one table: evaluation arms per formulation and pooled; the far family on
+    the Reference formulation over all five models; prompting over the instruction-tuned models only;
+    the question-paired base-vs-instruct family (sign-flip) beside the unpaired z-test families."""
+    F = stats.FAMILIES
+    for name in ("prompting_retention", "prompting_tool_follow", "frames_retention", "finetune_retention",
+                 "finetune_tool_follow"):
+        assert F[name].slices == EVERY_SLICE, name
+    assert F["prompting_retention"].models == "instruct" and F["prompting_tool_follow"].models == "instruct"
+    assert F["prompting_retention"].variants == ("warn", "prior", "flag")
+    assert F["far_retention"].slices == ("reference",) and F["far_retention"].models == "all"
+    paired = F["base_vs_instruct_paired_retention"]
+    assert paired.test == "sign-flip" and paired.models == "base_vs_instruct" and paired.slices == ("reference",)
+    for metric in ("retention", "wrong_follow"):
+        assert F[f"base_vs_instruct_ztest_{metric}"].test == "z-test"
+        assert F[f"cross_model_ztest_{metric}"].models == "all_pairs"
+    assert "base_vs_instruct_retention" not in F            # the old name of the z-test family
+    from memtoc.blockconfig.finetune import OBJECTIVES
+    from memtoc.vocab import ALT_FRAMES, PROMPTING_ARMS
+    assert F["finetune_retention"].variants == OBJECTIVES and F["frames_retention"].variants == ALT_FRAMES
+    assert F["prompting_tool_follow"].variants == PROMPTING_ARMS
+    assert all(f.metric in f.name for f in F.values())
+
+
+def _contrast(p, delta=0.1):
+    return {"delta": delta, "p": p, "p_holm": None}
+
+
+def _prompting_summary(ps):
+    """A model summary with prompting contrasts: pooled under ``contrasts``, per formulation under
+    ``contrasts_by_formulation``; ``ps`` maps (arm, slice) -> p."""
+    sec = {}
+    for (arm, sl), p in ps.items():
+        a = sec.setdefault(arm, {"contrasts": {}, "contrasts_by_formulation": {}})
+        target = a["contrasts"] if sl == "pooled" else a["contrasts_by_formulation"].setdefault(sl, {})
+        target["retention"] = _contrast(p)
+        target["tool_follow"] = _contrast(min(1.0, 2 * p), -0.01)
+    return {"prompting": sec}
+
+
+def test_apply_families_per_slice_and_instruct_only():
+    arms = ("warn", "prior", "flag")
+    rng = np.random.default_rng(3)
+    summ = {m: _prompting_summary({(a, sl): float(rng.uniform(0.001, 0.2)) for a in arms for sl in EVERY_SLICE})
+            for m in ("inst1", "inst2", "base")}
+    applied = stats.apply_families(summ, "evaluation", base_models=["base"])
+    fam = applied["prompting_retention"]
+    assert set(fam) == set(EVERY_SLICE)
+    for sl in EVERY_SLICE:
+        assert set(fam[sl]) == {f"{m}|{a}" for m in ("inst1", "inst2") for a in arms}      # 2 x 3, no base
+        raw = {}
+        for k in fam[sl]:
+            m, a = k.split("|")
+            sec = summ[m]["prompting"][a]
+            c = sec["contrasts"] if sl == "pooled" else sec["contrasts_by_formulation"][sl]
+            raw[k] = c["retention"]["p"]
+            assert c["retention"]["family"] == "prompting_retention"
+            assert c["tool_follow"]["family"] == "prompting_tool_follow" and c["tool_follow"]["p_holm"] is not None
+        assert fam[sl] == pytest.approx(stats.holm(raw))
+    base = summ["base"]["prompting"]["warn"]["contrasts"]["retention"]
+    assert base["p_holm"] is None and base.get("family") is None
+    listed = stats.families_summary("evaluation", applied)["prompting_retention"]
+    assert listed["slices"] == list(EVERY_SLICE) and listed["members"] == applied["prompting_retention"]
+
+
+def test_far_family_is_the_reference_one_with_the_release_p_values():
+    """published_other.json far_keep_holm: five models (base included), Reference formulation only;
+    the base model's +19.4 points at Holm p 0.0015 on 103 questions (the paper's App. C)."""
+    pub = json.loads((resolve_release_dir() / "published_other.json").read_text())
+    fh = pub["distractor_distance"]["judged"]["far_keep_holm"]
+    summ = {m: {"far": {"contrasts": {"retention": _contrast(0.9)},
+                        "contrasts_reference": {"retention": _contrast(v["p_signflip"], v["delta"])}}}
+            for m, v in fh.items()}
+    applied = stats.apply_families(summ, "evaluation", base_models=["base"])
+    assert set(applied["far_retention"]) == {"reference"}
+    adj = applied["far_retention"]["reference"]
+    assert {m: round(p, 4) for m, p in adj.items()} == {m: v["p_holm"] for m, v in fh.items()}
+    assert adj["base"] == pytest.approx(0.0015) and fh["base"]["n_units"] == 103
+    assert summ["base"]["far"]["contrasts"]["retention"]["p_holm"] is None      # pooled: not in the family
+
+
+def test_tool_drop_guard_reads_the_family_adjusted_p():
+    """One guard rule (PROTOCOL §6.3, Holm inside pre-declared families): the correct-tool following
+    p of the criterion is the family-adjusted one, in prompting as in fine-tuning."""
+    ret = {"delta": 0.2, "p": 0.001, "p_holm": 0.004}
+    tool = {"delta": -0.05, "p": 0.03, "p_holm": 0.09}
+    res = stats.success_criterion(ret, tool)
+    assert res["tool_p"] == 0.09 and res["tool_drop"] is False and res["passed"] is True
 
 
 def test_ranking_rule_is_the_full_ordering_and_the_base_is_compared_on_reference():
