@@ -124,3 +124,14 @@ def ranking_table(summary: dict) -> pd.DataFrame:
                      "reference_order (incl. base)": " < ".join(r.get("reference_order", [])),
                      "pairwise reading (not the paper's rule)": ", ".join(r.get("stable_pairs", []))})
     return pd.DataFrame(rows)
+
+
+def family_table(summary: dict) -> pd.DataFrame:
+    """One row per Holm family member and slice: ``family, metric, slice, member, p_holm`` (the
+    families as ``stats.apply_families`` wrote them under ``holm_families``)."""
+    rows = [{"family": f, "metric": v.get("metric"), "test": v.get("test"), "slice": s, "member": k, "p_holm": p}
+            for f, v in (summary.get("holm_families") or {}).items()
+            for s, members in (v.get("members") or {}).items() if isinstance(members, dict)
+            for k, p in members.items()]
+    return pd.DataFrame(rows, columns=["family", "metric", "test", "slice", "member", "p_holm"])
+

@@ -412,3 +412,15 @@ def test_paper_params_run_the_judged_layer_and_plan_its_memory():
     assert len(est) == 1 and est[0]["weights_gb"] > 10 and not cannot
     assert lines[0].strip().startswith("judge qwen2.5-7b-instruct")
     assert dryrun.judge_memory(dict(P, judge=None), [], []) == []
+
+
+def test_family_table_lists_every_member_of_every_slice():
+    from memtoc import tables
+    summary = {"holm_families": {
+        "prompting_retention": {"metric": "retention", "test": "sign_flip",
+                                "members": {"pooled": {"m1/warn": 0.01, "m1/prior": 0.2}, "reference": {"m1/warn": 0.03}}},
+        "empty": {"metric": "retention", "members": {}}}}
+    t = tables.family_table(summary)
+    assert len(t) == 3 and set(t["slice"]) == {"pooled", "reference"}
+    assert t.loc[(t["slice"] == "reference") & (t["member"] == "m1/warn"), "p_holm"].item() == 0.03
+    assert tables.family_table({}).empty
