@@ -10,7 +10,7 @@ Pieces (pure unless marked I/O)::
     judgments = run_judge(generator, label, scored, run_dir)     # I/O: generation through the cache
     judged = apply_overlay(scored, judgments)      # a copy of the scored frame, layer "judged"
     car_judge(judged)                              # {"value", "n", "n_missing"}
-    add_judged(summary, scored_by_model, P)        # notebook 03's one call (I/O)
+    add_judged(summary, scored_by_model, cfg)      # notebook 03's one call (I/O)
 
 Requests (PROTOCOL §4b)
 -----------------------
@@ -95,7 +95,7 @@ import pandas as pd
 
 from . import analyses
 from . import metrics, models, scoring
-from .config import FORMULATIONS, ConfigError, MemtocError, check_judge
+from .config import DEFAULTS, FORMULATIONS, ConfigError, MemtocError
 from .evaluation import read_scored, write_scored
 from .io import plain
 from .metrics import isna
@@ -445,28 +445,16 @@ def changed_counts(det: pd.DataFrame, judged: pd.DataFrame) -> dict[str, int]:
 # pipeline glue (I/O at the edge): notebook 03
 
 
-def judge_config(P: dict) -> Optional[dict]:
-    """The run's judge block, checked and with its defaults filled (``config.validate_params``
-    does the same), or None when no judge is configured."""
-    j = P.get("judge")
-    if j is None:
-        return None
-
-    def fail(field: str, msg: str) -> None:
-        raise ConfigError(f"parameter {field!r}: {msg}")
-
-    return check_judge(j, fail)
-
-
-def load_judge(P: dict):
-    """The judge's Generator (``models.load_generator`` with the judge block's settings)."""
-    j = judge_config(P)
+def load_judge(cfg: RunConfig):
+    """The judge's Generator (``models.load_generator`` with the ``judge`` block's settings and the
+    run's batch size, dtype and model cache). ``cfg``: the run configuration (or a params mapping)."""
+    cfg = RunConfig.of(cfg)
+    j = cfg.judge
     if j is None:
         raise ConfigError("no judge configured (parameter 'judge' is null)")
-    cfg = RunConfig.of(P)
-    return models.load_generator(j["model"], backend=j["backend"], batch_size=cfg.batch_size, dtype=cfg.dtype,
-                                 max_new_tokens=j["max_new_tokens"], model_cache_dir=cfg.model_cache_dir,
-                                 **j["backend_options"])
+    return models.load_generator(j.model, backend=j.backend, batch_size=cfg.batch_size, dtype=cfg.dtype,
+                                 max_new_tokens=j.max_new_tokens, model_cache_dir=cfg.model_cache_dir,
+                                 **j.backend_options)
 
 
 def write_judged(judged: pd.DataFrame, run_dir, model_label: str) -> list[Path]:
@@ -481,8 +469,8 @@ def read_judged(run_dir, model_label: Optional[str] = None) -> pd.DataFrame:
 
 
 def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Sequence[Judgment],
-                         formulations: Sequence[str] | None = None, n_boot: int = 2000, seed: int = 0,
-                         alpha: float = 0.05) -> dict:
+                         formulations: Sequence[str] | None = None, n_boot: int = DEFAULTS["n_boot"],
+                         seed: int = 0, alpha: float = DEFAULTS["alpha"]) -> dict:
     """``/judged/models/<model>`` of the evaluation summary (module docstring). Pure."""
     forms = list(formulations or FORMULATIONS)
     head = analyses.select_arm(judged)
@@ -499,23 +487,24 @@ def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Seq
     })
 
 
-def add_judged(summary: dict, scored_by_model: dict[str, pd.DataFrame], P: dict, generator=None) -> dict:
-    """Notebook 03's one call: with ``P["judge"]`` set, judge every model's scored frame (requests,
+def add_judged(summary: dict, scored_by_model: dict[str, pd.DataFrame], cfg: RunConfig, generator=None) -> dict:
+    """Notebook 03's one call: with the ``judge`` block set, judge every model's scored frame (requests,
     generation through ``generations/<judge_label>/``, overlay), write
     ``scored_judged/<model>/<arm_key>.jsonl`` and return ``summary`` plus a ``judged`` section.
     With ``judge: null`` it returns ``summary`` itself, unchanged. ``generator``: an already
-    loaded judge (tests); by default the configured one is loaded and closed here."""
-    j = judge_config(P)
+    loaded judge (tests); by default the configured one is loaded and closed here. ``cfg``: the run
+    configuration (a params mapping is read with ``RunConfig.of``)."""
+    cfg = RunConfig.of(cfg)
+    j = cfg.judge
     if j is None:
         return summary
-    cfg = RunConfig.of(P)
     run_dir = cfg.run_dir
-    label = judge_label(j["model"])
+    label = judge_label(j.model)
     matcher = cfg.matcher
     kw = dict(formulations=list(cfg.formulations), n_boot=cfg.n_boot, seed=0, alpha=float(cfg.alpha))
-    gen = generator if generator is not None else load_judge(P)
-    section: dict[str, Any] = {"judge": {"model": j["model"], "backend": j["backend"], "label": label,
-                                         "max_new_tokens": j["max_new_tokens"]}, "models": {}}
+    gen = generator if generator is not None else load_judge(cfg)
+    section: dict[str, Any] = {"judge": {"model": j.model, "backend": j.backend, "label": label,
+                                         "max_new_tokens": j.max_new_tokens}, "models": {}}
     try:
         for model, det in scored_by_model.items():
             judgments = run_judge(gen, label, det, run_dir)

@@ -107,6 +107,16 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
               system_turn="template", params_b=9.2, aliases=("gemma",)),
     ModelSpec("mistral-7b-instruct-v0.3", "mistral", "hub", hub_id="mistralai/Mistral-7B-Instruct-v0.3",
               system_turn="template", params_b=7.2, aliases=("mistral",)),
+    # App. G (Table 7): the agent loop's further models (tool-calling formats: Qwen2.5 and Hermes-3
+    # hermes, Llama-3.2 llama3_json); they take part in notebooks 02 and 07 when named in `models`
+    ModelSpec("qwen2.5-3b-instruct", "qwen3b", "hub", hub_id="Qwen/Qwen2.5-3B-Instruct",
+              system_turn="template", params_b=3.1, aliases=("qwen3b",)),
+    ModelSpec("qwen2.5-1.5b-instruct", "qwen1.5b", "hub", hub_id="Qwen/Qwen2.5-1.5B-Instruct",
+              system_turn="template", params_b=1.5, aliases=("qwen1.5b",)),
+    ModelSpec("llama-3.2-3b-instruct", "llama3b", "hub", hub_id="meta-llama/Llama-3.2-3B-Instruct",
+              system_turn="template", params_b=3.2, aliases=("llama3b",)),
+    ModelSpec("hermes-3-llama-3.1-8b", "hermes", "hub", hub_id="NousResearch/Hermes-3-Llama-3.1-8B",
+              system_turn="template", params_b=8.0, aliases=("hermes",)),
     # App. F.2's scale point: a public AWQ-int4 requantization of Llama-3.3-70B-Instruct (the paper
     # names no repository; any AWQ-int4 copy, or a local directory of one, serves); vLLM, 80 GB GPU
     ModelSpec("llama-3.3-70b-instruct-awq", "llama70", "hub", hub_id="casperhansen/llama-3.3-70b-instruct-awq",

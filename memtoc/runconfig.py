@@ -5,10 +5,13 @@
 
 ``RunConfig`` holds every parameter of ``memtoc.config.DEFAULTS`` as a typed attribute (validated by
 ``config.validate_params``: errors name the file, the field and the fix; every existing params file
-is accepted) plus ``run_dir`` and ``paths`` (:class:`RunPaths`, the ``outputs/<run>/`` layout that
+is accepted); the stage blocks are typed and resolved once (``memtoc.blockconfig``:
+``cfg.finetune.max_steps``, ``cfg.transfer.frames``, ``cfg.probes.sae_k``, ``cfg.agent.protocols``,
+``cfg.judge.model``), plus ``run_dir`` and ``paths`` (:class:`RunPaths`, the ``outputs/<run>/`` layout that
 writers and readers share). It also reads like the flat parameter dict the notebooks used to pass
-around (``cfg["models"]``, ``cfg.get("seed")``, ``{**cfg}``), so a stage written against the dict
-keeps working while it moves to attributes.
+around (``cfg["models"]``, ``cfg.get("seed")``, ``{**cfg}``): that view is the validated params
+file (``cfg["finetune"]`` is the block as written there, merged over ``{enabled: true}``), which is
+what ``config.json`` records and hashes per stage.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
 
+from .blockconfig import AgentConfig, FinetuneConfig, JudgeConfig, ProbesConfig, TransferConfig, resolve_blocks
 from .config import DEFAULTS, ConfigError, load_params, resolve_release_dir, run_dir, validate_params
 from .vocab import Backend, ClosedBookVariant, Formulation, Matcher
 
@@ -75,15 +79,6 @@ class RunPaths:
 
 
 @dataclass(frozen=True)
-class JudgeConfig:
-    """The ``judge`` block (``config.check_judge`` fills the defaults)."""
-    model: str
-    backend: Backend = "transformers"
-    backend_options: dict = field(default_factory=dict)
-    max_new_tokens: int = 32
-
-
-@dataclass(frozen=True)
 class RunConfig(Mapping):
     run_name: str
     output_root: str
@@ -107,10 +102,10 @@ class RunConfig(Mapping):
     n_boot: int
     n_perm: int
     alpha: float
-    finetune: dict
-    transfer: dict
-    probes: dict
-    agent: dict
+    finetune: FinetuneConfig
+    transfer: TransferConfig
+    probes: ProbesConfig
+    agent: AgentConfig
     judge: Optional[JudgeConfig]
     verify: bool
     run_dir: Path                       # <output_root>/<run_name>, resolved
@@ -118,6 +113,8 @@ class RunConfig(Mapping):
     # parameters of config.DEFAULTS without a typed field yet (a stage added its block): readable as
     # cfg[key] / cfg.key; tests/test_runconfig.py asks for a typed field
     extra: dict = field(default_factory=dict)
+    # the stage blocks as the params file gives them (the mapping view and config.json read these)
+    blocks: dict = field(default_factory=dict, repr=False)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -143,9 +140,11 @@ class RunConfig(Mapping):
         kw.update(models=tuple(p["models"]), formulations=tuple(p["formulations"]),
                   base_formulations=None if p["base_formulations"] is None else tuple(p["base_formulations"]),
                   extra_arms=tuple(p["extra_arms"]),
-                  judge=None if j is None else JudgeConfig(**j))
+                  judge=None if j is None else JudgeConfig(**j), **resolve_blocks(p, source))
         extra = {k: p[k] for k in DEFAULTS if k not in typed}
-        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source, extra=extra)
+        blocks = {k: p[k] for k in ("finetune", "transfer", "probes", "agent")}
+        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source, extra=extra,
+                   blocks=blocks)
 
     def with_release_resolved(self) -> "RunConfig":
         """A copy whose ``release_dir`` is the absolute release folder (``config.resolve_release_dir``)."""
@@ -191,11 +190,13 @@ class RunConfig(Mapping):
     def __getitem__(self, key: str) -> Any:
         if key not in _keys():
             raise KeyError(key)
+        if key in self.blocks:
+            return self.blocks[key]
         v = getattr(self, key)
         if isinstance(v, tuple):
             return list(v)
         if isinstance(v, JudgeConfig):
-            return {f.name: getattr(v, f.name) for f in fields(v)}
+            return v.to_dict()
         return v
 
     def __iter__(self) -> Iterator[str]:
@@ -210,5 +211,8 @@ def _keys() -> tuple[str, ...]:
 
 
 def _typed_fields() -> set[str]:
-    return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "extra"}
-__all__ = ["RunConfig", "RunPaths", "JudgeConfig", "ConfigError"]
+    return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "extra", "blocks"}
+
+
+__all__ = ["RunConfig", "RunPaths", "AgentConfig", "FinetuneConfig", "JudgeConfig", "ProbesConfig", "TransferConfig",
+           "ConfigError"]

@@ -17,6 +17,7 @@ from memtoc.agent.parsers import FORMATS, ToolCall
 from memtoc.agent.protocols import EpisodeSpec, run_episodes
 from memtoc.agent.runtime import ChatRequest, ChatResponse, OpenAIRuntime, ProtocolUnsupported, Runtime
 from memtoc.config import ConfigError, load_params
+from memtoc.runconfig import RunConfig
 
 SCHEMA = {"name": "find_person", "description": "Look up a person.",
           "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "q"}},
@@ -444,7 +445,6 @@ def test_memory_right_questions_come_from_02s_answers(tmp_path):
     bench = load_benchmark()
     P = dict(load_params(None, overrides={"n_questions": 30, "agent": {"n_questions": 0, "memory_right_questions": 2}}),
              run_dir=tmp_path)
-    a = core.agent_params(P)
     pool = select_questions(bench.analysis, 30, P["seed"])
     right = {pool[3].qkey, pool[7].qkey, pool[20].qkey}
     rows = [dict({c: None for c in COLUMNS}, model="m", formulation=f, variant="forced", qkey=q.qkey,
@@ -453,11 +453,12 @@ def test_memory_right_questions_come_from_02s_answers(tmp_path):
     out = tmp_path / "scored" / "m" / "closed_book_forced.jsonl"
     out.parent.mkdir(parents=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = core.questions_for(P, a, "m", bench, ["reference"])
+    cfg = RunConfig.of(P)
+    got = core.questions_for(cfg, "m", bench, ["reference"])
     assert [q.qkey for q in got] == [pool[3].qkey, pool[7].qkey]              # the first 2, in selection order
-    a2 = dict(a, n_questions=5)
-    assert [q.qkey for q in core.questions_for(P, a2, "m", bench, ["reference"])] == \
+    cfg5 = cfg.replace(agent={"n_questions": 5, "memory_right_questions": 2})
+    assert [q.qkey for q in core.questions_for(cfg5, "m", bench, ["reference"])] == \
         [q.qkey for q in pool[:5]] + [pool[7].qkey, pool[20].qkey]            # pool[3] is already among the 5
-    assert core.questions_for(dict(P, run_dir=tmp_path / "none"), a2, "m", bench, ["reference"]) == pool[:5]
+    assert core.questions_for(RunConfig.of(dict(cfg5, run_dir=tmp_path / "none")), "m", bench, ["reference"]) == pool[:5]
     with pytest.raises(ConfigError, match="both 0"):
         core.agent_params(dict(P, agent={"n_questions": 0}))

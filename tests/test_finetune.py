@@ -58,7 +58,7 @@ def test_paper_params_give_04_transformers_options_only():
     from memtoc.models import load_generator
     P = load_params("params/paper.yaml")
     assert P["backend"] == "vllm" and "gpu_memory_utilization" in P["backend_options"]
-    kw = F.eval_generator_kwargs(P, F.finetune_params(P))
+    kw = F.eval_generator_kwargs(P)
     assert kw["backend"] == "transformers"
     accepted = set(inspect.signature(TransformersGenerator.__init__).parameters) | \
         set(inspect.signature(load_generator).parameters) | {"model_cache_dir"}
@@ -68,12 +68,12 @@ def test_paper_params_give_04_transformers_options_only():
     # options every backend shares (whole replies vs stop at the FINAL line) follow the run
     Pv = load_params("params/paper.yaml", overrides={"backend_options": {"gpu_memory_utilization": 0.5,
                                                                          "stop_at_final": False}})
-    kv = F.eval_generator_kwargs(Pv, F.finetune_params(Pv))
+    kv = F.eval_generator_kwargs(Pv)
     assert kv["stop_at_final"] is False and "gpu_memory_utilization" not in kv
     # a transformers run keeps its own options, finetune.backend_options on top
     Pt = load_params(None, overrides={"backend_options": {"token_budget": 4096, "decode": "compact"},
                                       "finetune": {"backend_options": {"token_budget": 2048}}})
-    kt = F.eval_generator_kwargs(Pt, F.finetune_params(Pt))
+    kt = F.eval_generator_kwargs(Pt)
     assert kt["token_budget"] == 2048 and kt["decode"] == "compact"
     with pytest.raises(ConfigError, match="finetune.backend_options"):
         F.finetune_params(load_params(None, overrides={"finetune": {"backend_options": [1]}}))
@@ -90,11 +90,12 @@ def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
         args = cls(**F.training_arguments(ft, tmp_path, progress=False))
         assert args.get_warmup_steps(100) == 10 and args.get_warmup_steps(7) == 1
         assert args.gradient_checkpointing is False
-    ck = F.training_arguments({**ft, "gradient_checkpointing": True}, tmp_path)
+    ck = F.training_arguments(dataclasses.replace(ft, gradient_checkpointing=True), tmp_path)
     name = "activation_checkpointing" if "activation_checkpointing" in ck else "gradient_checkpointing"
     assert ck[name] is True and ck[f"{name}_kwargs"] == {"use_reentrant": False}
     assert SFTConfig(**ck).gradient_checkpointing is True
-    old = F.training_arguments({**ft, "gradient_checkpointing": True}, tmp_path, arg_names={"gradient_checkpointing"})
+    old = F.training_arguments(dataclasses.replace(ft, gradient_checkpointing=True), tmp_path,
+                               arg_names={"gradient_checkpointing"})
     assert old["gradient_checkpointing"] is True and "activation_checkpointing" not in old
 
 
@@ -139,10 +140,21 @@ def test_training_config_is_shared_by_objectives():
     h_sft = F.config_hash("sft", ft, "w", rows)
     assert h_sft == F.config_hash("sft", ft, "w", rows)
     assert h_sft != F.config_hash("dpo", ft, "w", rows)
-    assert h_sft != F.config_hash("sft", {**ft, "learning_rate": 1e-4}, "w", rows)
+    assert h_sft != F.config_hash("sft", dataclasses.replace(ft, learning_rate=1e-4), "w", rows)
     assert h_sft != F.config_hash("sft", ft, "w2", rows)
     assert h_sft != F.config_hash("sft", ft, "w", [{"prompt": "p", "completion": "d"}])
-    assert h_sft == F.config_hash("sft", {**ft, "enabled": False, "eval_questions_per_fold": 3}, "w", rows)
+    assert h_sft == F.config_hash("sft", dataclasses.replace(ft, enabled=False, eval_questions_per_fold=3), "w", rows)
+
+
+def test_adapter_config_hashes_are_unchanged_by_the_typed_block():
+    """Finished adapters resume by config hash: the typed block hashes as the resolved dict did
+    (values recorded from the dict-based validator)."""
+    ft = F.finetune_params(load_params(None))
+    assert F.config_hash("dpo", ft, "w", [{"prompt": "p"}]) == "d5fea04ad5c7c37c"
+    ft2 = F.finetune_params(load_params(None, overrides={"finetune": {"learning_rate": 1e-4, "max_steps": 3,
+                                                                      "target_modules": "q_proj"}}))
+    assert F.config_hash("sft", ft2, "w", [{"prompt": "p"}]) == "c65ad1e2588f60c5"
+    assert F.training_config(ft2)["target_modules"] == ["q_proj"] and ft2.target_modules == ("q_proj",)
 
 
 # ----------------------------------------------------------------------------------------------

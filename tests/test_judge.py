@@ -13,6 +13,7 @@ from conftest import ScriptedGenerator
 from memtoc import judge as J
 from memtoc import metrics, scoring
 from memtoc.config import DEFAULTS, ConfigError, validate_params
+from memtoc.runconfig import RunConfig
 
 
 def _row(eid, condition, response, *, gold="Paris", tool_value="Lyon", memory_span="Paris",
@@ -252,7 +253,7 @@ def test_judge_parameter_defaults_to_null_and_is_validated():
                        ({"model": "x", "max_new_tokens": 0}, "judge.max_new_tokens")):
         with pytest.raises(ConfigError, match=field):
             validate_params({"judge": bad})
-    assert J.judge_config({"judge": None}) is None
+    assert RunConfig.of({"judge": None}).judge is None
     assert J.judge_label("org/Some Model") == "judge__org_Some_Model"
 
 

@@ -109,3 +109,14 @@ def test_adapter_loads_and_changes_identity(smol_path, tmp_path):
     assert g.key("hi") != plain.key("hi")
     # a fresh LoRA (B = 0) leaves the model unchanged: same greedy reply
     assert g.generate(["Say hi."])[0].text == plain.generate(["Say hi."])[0].text
+
+
+@pytest.mark.parametrize("name,hub,fmt", [("qwen2.5-3b-instruct", "Qwen/Qwen2.5-3B-Instruct", "hermes"),
+                                         ("qwen2.5-1.5b-instruct", "Qwen/Qwen2.5-1.5B-Instruct", "hermes"),
+                                         ("llama-3.2-3b-instruct", "meta-llama/Llama-3.2-3B-Instruct", "llama3_json"),
+                                         ("hermes-3-llama-3.1-8b", "NousResearch/Hermes-3-Llama-3.1-8B", "hermes")])
+def test_table7_models_are_registered_with_their_tool_format(name, hub, fmt):
+    from memtoc.agent.parsers import format_for
+    spec = models.get_model(name)
+    assert spec.hub_id == hub and spec.chat and spec.params_b
+    assert format_for([spec.name, spec.hub_id], chat=True, template_renders_tools=True).name == fmt

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memtoc.config import ConfigError
 from memtoc.probes import core, corpus, lens as L, mining as M, sae as S, steering as ST
 from memtoc.probes.hfmodel import residuals, unembed, wrap_model
+from memtoc.runconfig import RunConfig
 
 
 class CharTokenizer:
@@ -212,7 +213,7 @@ def test_steering_cell_and_bar():
 
 # -- params, corpus, sets -----------------------------------------------------------------------
 def test_probes_params_validation():
-    assert core.probes_params({})["strengths"] == core.PR_DEFAULTS["strengths"]
+    assert core.probes_params({}).strengths == (12,) and core.probes_params({}).to_dict()["strengths"] == [12]
     with pytest.raises(ConfigError, match="unknown probes key"):
         core.probes_params({"probes": {"nope": 1}})
     with pytest.raises(ConfigError, match="directions"):
@@ -277,7 +278,7 @@ def test_run_sae_skips_with_too_few_mining_episodes(tmp_path):
     rows = [{"question_id": "1.1", "instance_id": 1, "fold": 0, "prompt": "p", "outcome": "kept_memory"},
             {"question_id": "2.1", "instance_id": 2, "fold": 1, "prompt": "q", "outcome": "followed_tool"}]
     _, info = corpus.load_corpus()
-    res = core.run_sae(tiny_lm(), core.probes_params({}), {}, rows, [], tmp_path, ["text " * 50], info, {})
+    res = core.run_sae(tiny_lm(), RunConfig.of({}), rows, [], tmp_path, ["text " * 50], info, {})
     assert res["layers"] == {} and "too few mining-fold" in res["steer"]["skipped"]
 
 

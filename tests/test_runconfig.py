@@ -88,3 +88,49 @@ def test_extra_arm_specs_cover_the_vocabulary():
         assert set(spec.conditions) <= set(vocab.ALL_CONDITIONS) and set(spec.arms) <= set(vocab.ARMS)
         assert set(spec.frames) <= set(vocab.FRAMES) and set(spec.payload_kinds) <= set(vocab.PAYLOAD_KINDS)
         assert spec.section
+
+
+def test_stage_blocks_are_typed_and_nested(tmp_path):
+    from memtoc.blockconfig import AgentConfig, FinetuneConfig, ProbesConfig, TransferConfig
+    f = tmp_path / "p.yaml"
+    f.write_text("n_boot: 300\nfinetune: {max_steps: 3, target_modules: q_proj}\nagent: {protocols: [auto]}\n")
+    cfg = RunConfig.load(f)
+    assert isinstance(cfg.finetune, FinetuneConfig) and cfg.finetune.max_steps == 3
+    assert cfg.finetune.target_modules == ("q_proj",) and cfg.finetune.to_dict()["target_modules"] == ["q_proj"]
+    assert cfg.finetune.seed == cfg.seed and cfg.finetune.models == cfg.models      # run-dependent defaults
+    assert isinstance(cfg.transfer, TransferConfig) and cfg.transfer.models == cfg.finetune.models
+    assert isinstance(cfg.probes, ProbesConfig) and cfg.probes.sae_k == 16
+    assert isinstance(cfg.agent, AgentConfig) and cfg.agent.protocols == ("auto",)
+    assert cfg.agent.n_boot == 300                                  # the run's n_boot unless the block sets one
+    assert RunConfig.of({"agent": {"n_boot": 20}}).agent.n_boot == 20
+    # the mapping view (config.json's stage hashes) is the block as the params file gives it
+    assert cfg["finetune"] == {"enabled": True, "max_steps": 3, "target_modules": "q_proj"}
+    assert cfg.replace(models=["smollm2-135m-instruct", "gemma-3-270m"]).agent.models == \
+        ("smollm2-135m-instruct", "gemma-3-270m")
+
+
+@pytest.mark.parametrize("block,bad,field", [("finetune", {"max_steps": 0}, "finetune.max_steps"),
+                                             ("transfer", {"frames": ["table"]}, "transfer.frames"),
+                                             ("probes", {"strengths": [0]}, "probes.strengths"),
+                                             ("agent", {"runtime": "vllm"}, "agent.runtime"),
+                                             ("probes", {"nope": 1}, "unknown probes key")])
+def test_stage_block_errors_name_file_and_field(tmp_path, block, bad, field):
+    f = tmp_path / "p.yaml"
+    f.write_text(f"{block}: {bad}\n".replace("'", '"'))
+    with pytest.raises(ConfigError) as e:
+        RunConfig.load(f)
+    assert str(e.value).startswith(f"{f}: ") and field in str(e.value) and "\n" not in str(e.value)
+
+
+def test_block_defaults_are_the_one_fallback():
+    """Fallbacks of the stage functions are the run defaults (no second default of n_boot)."""
+    import inspect
+
+    from memtoc import finetune, judge
+    from memtoc.blockconfig import BLOCKS
+    from memtoc.transfer import core as transfer_core
+    for fn in (finetune.paired_deltas, transfer_core.arm_rates, transfer_core.arm_deltas, judge.judged_model_section):
+        assert inspect.signature(fn).parameters["n_boot"].default == DEFAULTS["n_boot"], fn.__name__
+    for key, cls in BLOCKS.items():
+        assert DEFAULTS[key] == {"enabled": True} and cls.defaults()["enabled"] is True
+        assert list(cls.defaults()) == list(getattr(RunConfig.of({}), key).to_dict()), key

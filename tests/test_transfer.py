@@ -16,11 +16,13 @@ from memtoc.benchmark import select_questions
 from memtoc.config import ConfigError, load_params
 from memtoc.pipeline import plan
 from memtoc.records import Question
+from memtoc.runconfig import RunConfig
 from memtoc.scoring import canon
 from memtoc.transfer import (ABSTAIN, TransferDataError, TransferError, build_episodes, check_no_memtoc_leak, import_faitheval,
                              load_items, match_choice, reverse_examples, score_lines, score_replies, select_items,
                              transfer_params, validate_file, validate_lines)
 from memtoc.transfer import core
+from memtoc.transfer import tables as transfer_tables
 from memtoc.transfer.data import builtin_path
 
 FIX = Path(__file__).parent / "fixtures" / "transfer"
@@ -262,12 +264,14 @@ def test_episodes_and_metrics_on_synthetic_replies():
 
 def test_transfer_params_and_config():
     tr = transfer_params({"formulations": ["reference", "paraphrase_a"]})
-    assert tr["formulations"] == ["reference", "paraphrase_a"] and tr["enabled"]
+    assert tr.formulations == ("reference", "paraphrase_a") and tr.enabled
+    assert tr.to_dict()["formulations"] == ["reference", "paraphrase_a"]          # as the summary records it
+    assert RunConfig.of({"formulations": ["reference", "paraphrase_a"]}).transfer == tr
     with pytest.raises(ConfigError, match="transfer.frames"):
         transfer_params({"transfer": {"frames": ["table"]}})
     with pytest.raises(ConfigError, match="transfer.extra_adapters"):
         transfer_params({"transfer": {"extra_adapters": {"untreated": "/x"}}})
-    assert transfer_params({"transfer": {"extra_adapters": {"pool575_dpo": "/a"}}})["extra_adapters"] == {"pool575_dpo": "/a"}
+    assert transfer_params({"transfer": {"extra_adapters": {"pool575_dpo": "/a"}}}).extra_adapters == {"pool575_dpo": "/a"}
     with pytest.raises(ConfigError, match="unknown transfer key"):
         transfer_params({"transfer": {"n_items": 3}})
     with pytest.raises(ConfigError, match="'transfer'"):
@@ -321,10 +325,10 @@ def test_score_lines_pure():
 
 
 def test_reverse_eval_questions_memory_right_first(tmp_path, bench):
-    P = {"run_dir": tmp_path, "n_questions": 20, "seed": 20260721}
-    tr = transfer_params({"transfer": {"reverse_eval_questions": 3}})
+    cfg = RunConfig.of({"run_dir": tmp_path, "n_questions": 20, "seed": 20260721,
+                        "transfer": {"reverse_eval_questions": 3}})
     sel = select_questions(bench.analysis, 20, 20260721)
-    qs, how = core.reverse_eval_questions(bench, P, tr, "m")
+    qs, how = core.reverse_eval_questions(bench, cfg, "m")
     assert qs == sel[:3] and "no closed-book file" in how
     right = {sel[7].qkey, sel[12].qkey}
     path = elicitation.scored_path(tmp_path, "m", "forced")
@@ -333,7 +337,7 @@ def test_reverse_eval_questions_memory_right_first(tmp_path, bench):
                                         "question_id": q.id, "qkey": q.qkey, "instance_id": q.instance_id,
                                         "response": "", "span": "", "mem_absent": False,
                                         "memory_correct": q.qkey in right}) + "\n" for q in sel))
-    qs, how = core.reverse_eval_questions(bench, P, tr, "m")
+    qs, how = core.reverse_eval_questions(bench, cfg, "m")
     assert [q.qkey for q in qs] == [sel[7].qkey, sel[12].qkey, sel[0].qkey] and "2 of 3" in how
 
 
@@ -380,17 +384,15 @@ def test_reverse_adapter_is_scored_against_its_own_closed_book(tmp_path, monkeyp
     monkeypatch.setattr(models, "prepare_model", lambda name, cache_dir=None: tmp_path / "base")
     monkeypatch.setattr(models, "load_generator", lambda name, adapter=None, **kw: loaded.append(adapter) or adapter_gen)
     monkeypatch.setattr(finetune, "train_adapter", lambda *a, **kw: {"steps": 2, "resumed": False})
-    P = {"run_dir": tmp_path, "n_boot": 50, "n_perm": 50, "formulations": ["reference"]}
-    tr = transfer_params({"transfer": {"reverse_max_steps": 2}})
-    cf, _ = select_items(load_items("builtin")[0], tr)
-    ft = finetune.finetune_params(load_params(None))
-    res = core.reverse(P, tr, ft, cf[:2], SimpleNamespace(questions=qs), "m", qs, eps, memory, r_base, {},
-                       progress=False)
+    cfg = RunConfig.of({"run_dir": tmp_path, "n_boot": 50, "n_perm": 50, "formulations": ["reference"],
+                        "transfer": {"reverse_max_steps": 2}})
+    cf, _ = select_items(load_items("builtin")[0], cfg.transfer)
+    res = core.reverse(cfg, cf[:2], SimpleNamespace(questions=qs), "m", qs, eps, memory, r_base, {}, progress=False)
     path = tmp_path / "adapters" / "m" / core.REVERSE_OBJECTIVE / "external"
     assert loaded == [path] and (path / "closed_book_forced.jsonl").is_file()
     for metric in ("retention", "tool_follow", "wrong_follow"):
         d = res["deltas"][metric]["pooled"]
         assert (d["n_units"], d["n_treated_only"], d["n_untreated_only"]) == (2, 1, 1), metric
     assert res["closed_book"]["all"]["n_changed"] == 2 and res["closed_book"]["all"]["n_correct"] == 3
-    t = core.reverse_table({"models": {"m": {"reverse": res}}})
+    t = transfer_tables.reverse_table({"models": {"m": {"reverse": res}}})
     assert set(t.loc[t["metric"] == "retention", "n_treated_only"]) == {1}

@@ -9,6 +9,7 @@ from memtoc import finetune
 from memtoc.config import load_params, run_dir
 from memtoc.models import EMBEDDED
 from memtoc.transfer import core, forward_table, read_summary, reverse_table
+from memtoc.transfer import tables as transfer_tables
 
 pytestmark = pytest.mark.integration
 
@@ -46,4 +47,4 @@ def test_transfer_core_forward_and_reverse(tmp_path):
     assert len(forward_table(s2)) and len(reverse_table(s1)) and not len(reverse_table(s2))
     assert (rd / "transfer" / EMBEDDED / "scored_dpo_fold0.jsonl").is_file()
     assert s2["published"]["arms"][0]["model"] == "Llama-3.1-8B-Instruct"
-    assert core.plot(s2, tmp_path / "fig.png").is_file()
+    assert transfer_tables.plot(s2, tmp_path / "fig.png").is_file()

@@ -12,11 +12,12 @@ Modules
     ``traces``     resumable JSONL traces (one event per line, message hashes)
     ``metrics``    agreement, execution, their gap, terminations, mechanisms, the repair delta, with
                    question-cluster bootstrap intervals (``memtoc.stats`` via ``memtoc.analyses``)
-    ``core``       parameters (``agent:`` block), episodes, ``run(P)``, ``summaries/agent.json``, the figure
+    ``core``       episodes, ``run(cfg)``, ``summaries/agent.json``, the figure (the ``agent:`` block:
+                   ``memtoc.blockconfig.AgentConfig``)
 """
 from __future__ import annotations
 
-from .core import (AGENT_DEFAULTS, AgentError, agent_params, build_specs, episodes, formulations_of, plot,
+from .core import (AgentConfig, AgentError, agent_params, build_specs, episodes, formulations_of, plot,
                    published_block, read_summary, run)
 from .metrics import METRIC_DOC, SLICES, episodes_frame, published_table, repair_table, summary_table
 from .parsers import FORMATS, Parsed, ToolCall, ToolFormat, format_for, get_format
@@ -27,7 +28,7 @@ from .runtime import (AgentRuntimeError, ChatRequest, ChatResponse, OpenAIRuntim
 from .tools import SCHEMA_VARIANTS, FixtureTool, episode_schema, oracle_arguments, typed_schema, validate_call
 from .traces import Trace
 
-__all__ = ["AGENT_DEFAULTS", "AgentError", "agent_params", "build_specs", "episodes", "formulations_of",
+__all__ = ["AgentConfig", "AgentError", "agent_params", "build_specs", "episodes", "formulations_of",
            "plot", "published_block", "read_summary", "run", "METRIC_DOC", "SLICES", "episodes_frame",
            "published_table", "repair_table", "summary_table", "FORMATS", "Parsed", "ToolCall", "ToolFormat",
            "format_for", "get_format", "AGENT_SYSTEM", "MECHANISMS", "PROTOCOLS", "TERMINATIONS",

@@ -1,6 +1,7 @@
-"""The agent-loop stage (notebook 07, paper App. G): parameters, episodes, the run, the summary.
+"""The agent-loop stage (notebook 07, paper App. G): episodes, the run, the summary (the ``agent``
+block: ``memtoc.blockconfig.AgentConfig``, read as ``cfg.agent``).
 
-``run(P)`` for every model of ``agent.models`` (default: the run's): the first ``agent.n_questions``
+``run(cfg)`` for every model of ``agent.models`` (default: the run's): the first ``agent.n_questions``
 questions of the run's stratified selection (plus up to ``agent.memory_right_questions`` of the
 run's questions that 02 found memory-right for the model: :func:`questions_for`), their forced closed-book answers (through the run's
 generator and generation cache: served by notebook 02's cache when it ran; written to
@@ -44,45 +45,20 @@ import pandas as pd
 from .. import elicitation, models, progress
 from ..benchmark import load_benchmark, select_questions
 from ..cache import canonical_json, sha256_text
-from ..config import ConfigError, MemtocError, ordered_subset, resolve_release_dir, section_params
-from ..config import run_dir as run_dir_of
+from ..blockconfig import AgentConfig
+from ..config import MemtocError, resolve_release_dir
 from ..figures import save as save_figure
 from ..io import write_json
 from ..prompts import error_payload, value_output
-from ..vocab import FORMULATIONS
-from .metrics import METRIC_DOC, SLICES, episodes_frame, in_slice, summarize_model, summary_table
+from ..runconfig import RunConfig
+from .metrics import METRIC_DOC, episodes_frame, in_slice, summarize_model, summary_table
 from .protocols import PROTOCOLS, EpisodeSpec, run_episodes
-from .runtime import JSON_OPTIONS, RUNTIMES, Runtime, constrained_library, make_runtime
-from .tools import SCHEMA_VARIANTS, episode_schema
+from .runtime import JSON_OPTIONS, Runtime, constrained_library, make_runtime
+from .tools import episode_schema
 from .traces import Trace
 
 SCHEMA_VERSION = 1
-CONDITIONS = ("tool_wrong", "tool_right", "tool_error")
 PUBLISHED_FILE = "published_probes_agent_transfer.json"
-
-#: Every key of the ``agent`` parameter, with its default (params/*.yaml override; params/agent.yaml
-#: documents the paper-size run).
-AGENT_DEFAULTS: dict[str, Any] = {
-    "enabled": True,
-    "models": None,                    # None: the run's models
-    "protocols": list(PROTOCOLS),
-    "slices": list(SLICES),
-    "n_questions": None,               # first n of the run's stratified selection (None: n_questions;
-                                       # 0 with memory_right_questions: only the memory-right slice)
-    "memory_right_questions": 0,       # plus up to k more per model: questions of the run's headline
-                                       # selection whose forced closed-book answer (02's file, first agent
-                                       # formulation) is correct - the paper's slice, tiny on small models
-    "formulations": None,              # None: the run's (base models: the run's base_formulations)
-    "schema_variants": ["release", "typed"],
-    "condition": "tool_wrong",
-    "max_calls": 1,                    # the paper's a1/a2/o1: one call
-    "max_tokens_per_call": 384,        # the release's agentic client default
-    "max_tokens_per_episode": 1536,    # the release's agentic output-token budget
-    "runtime": "transformers",         # transformers (in-process) | openai (any OpenAI-compatible server)
-    "runtime_options": {},             # transformers: device, dtype, batch_size, tool_format, ...;
-                                       # openai: base_url, api_key, served_model, server, honors_tool_choice, ...
-    "n_boot": None,                    # None: the run's n_boot
-}
 
 EMBEDDED_NOTES = {
     "smollm2-135m-instruct": "smollm2-135m-instruct (135M parameters, chat, on a documented tool format it rarely follows)",
@@ -104,62 +80,9 @@ class AgentError(MemtocError):
 # ==================================================================================================
 # parameters
 
-def agent_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
-    """The resolved ``agent`` mapping (AGENT_DEFAULTS overlaid with ``P["agent"]``), validated; errors
-    name the field and the fix."""
-    a = section_params(P, "agent", AGENT_DEFAULTS, source)
-
-    def fail(key: str, msg: str) -> None:
-        raise ConfigError(f"{source}: field 'agent.{key}': {msg}")
-
-    if not isinstance(a["enabled"], bool):
-        fail("enabled", f"must be true or false, got {a['enabled']!r}")
-    run_models = list(P.get("models") or [])
-    if a["models"] is None:
-        a["models"] = run_models
-    elif isinstance(a["models"], str):
-        a["models"] = [a["models"]]
-    if not isinstance(a["models"], list) or not a["models"] or any(m not in run_models for m in a["models"]):
-        fail("models", f"must be null (the run's models) or a non-empty list drawn from the run's models {run_models}")
-    for key, valid in (("protocols", PROTOCOLS), ("slices", SLICES), ("schema_variants", SCHEMA_VARIANTS)):
-        got = ordered_subset(a[key], valid)
-        if got is None:
-            fail(key, f"must be a non-empty list drawn from {list(valid)}, got {a[key]!r}")
-        a[key] = got
-    forms = a["formulations"] if a["formulations"] is not None else list(P.get("formulations") or FORMULATIONS)
-    got = ordered_subset(forms, FORMULATIONS)
-    if got is None:
-        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
-    a["formulations"] = got
-    n = a["n_questions"]
-    if n is None:
-        a["n_questions"] = int(P.get("n_questions") or 1)
-    elif not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        fail("n_questions", f"must be null (the run's n_questions) or a non-negative integer, got {n!r}")
-    k = a["memory_right_questions"]
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        fail("memory_right_questions", f"must be a non-negative integer, got {k!r}")
-    if a["n_questions"] + k < 1:
-        fail("n_questions", "and memory_right_questions are both 0: no question to run (n_questions 0 with "
-                            "memory_right_questions k runs only the paper's memory-right slice)")
-    if a["condition"] not in CONDITIONS:
-        fail("condition", f"must be one of {list(CONDITIONS)}, got {a['condition']!r}")
-    for key in ("max_calls", "max_tokens_per_call", "max_tokens_per_episode"):
-        v = a[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            fail(key, f"must be a positive integer, got {v!r}")
-    if a["max_tokens_per_episode"] < a["max_tokens_per_call"]:
-        fail("max_tokens_per_episode", f"must be at least max_tokens_per_call ({a['max_tokens_per_call']})")
-    if a["runtime"] not in RUNTIMES:
-        fail("runtime", f"must be one of {list(RUNTIMES)}, got {a['runtime']!r}")
-    if not isinstance(a["runtime_options"], dict):
-        fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
-    nb = a["n_boot"]
-    if nb is None:
-        a["n_boot"] = int(P.get("n_boot") or 1000)
-    elif not isinstance(nb, int) or isinstance(nb, bool) or nb < 1:
-        fail("n_boot", f"must be null (the run's n_boot) or a positive integer, got {nb!r}")
-    return a
+def agent_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> AgentConfig:
+    """The run's resolved ``agent`` block (``RunConfig.of(params, source).agent``)."""
+    return RunConfig.of(params, source).agent
 
 
 #: model requests per episode at most (guided: call + answer; two_stage: decision + call + answer; oracle:
@@ -167,21 +90,24 @@ def agent_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
 REQUESTS_MAX = {"guided": 2, "auto": 2, "two_stage": 3, "oracle": 1, "auto_constrained": 2}
 
 
-def planned_requests(P: dict[str, Any], model: str) -> dict[str, int]:
+def planned_requests(cfg: RunConfig, model: str) -> dict[str, int]:
     """Notebook 07's work for ``model`` without running it (``memtoc run --dry-run``): episodes and
-    model requests at most (every memory-right addition counted; 02's cached closed-book answers not)."""
-    a = agent_params(P)
-    if model not in a["models"]:
+    model requests at most (every memory-right addition counted; 02's cached closed-book answers not).
+    ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
+    cfg = RunConfig.of(cfg)
+    a = cfg.agent
+    if model not in a.models:
         return {"episodes": 0, "requests_max": 0}
-    per_q = len(formulations_of(P, a, model)) * len(a["schema_variants"])
-    n = a["n_questions"] + min(a["memory_right_questions"], int(P.get("n_questions") or 0))   # at most
-    return {"episodes": n * per_q * len(a["protocols"]),
-            "requests_max": n * per_q * sum(REQUESTS_MAX[p] for p in a["protocols"])}
+    per_q = len(formulations_of(cfg, model)) * len(a.schema_variants)
+    n = a.n_questions + min(a.memory_right_questions, cfg.n_questions)   # at most
+    return {"episodes": n * per_q * len(a.protocols),
+            "requests_max": n * per_q * sum(REQUESTS_MAX[p] for p in a.protocols)}
 
 
-def formulations_of(P: dict[str, Any], a: dict[str, Any], model: str) -> list[str]:
+def formulations_of(cfg: RunConfig, model: str) -> list[str]:
     """The agent formulations a model runs on (base models: the run's base_formulations)."""
-    return models.formulations_for(model, a["formulations"], P.get("base_formulations"))
+    base = None if cfg.base_formulations is None else list(cfg.base_formulations)
+    return models.formulations_for(model, list(cfg.agent.formulations), base)
 
 
 # ==================================================================================================
@@ -196,37 +122,35 @@ def observation(question, condition: str) -> tuple[Optional[str], Any]:
     return None, error_payload()
 
 
-def questions_for(P: dict[str, Any], a: dict[str, Any], model: str, bench, formulations: Sequence[str]) -> list:
+def questions_for(cfg: RunConfig, model: str, bench, formulations: Sequence[str]) -> list:
     """The agent questions of a model: the first ``agent.n_questions`` of the run's stratified
     selection, then up to ``agent.memory_right_questions`` further questions of the run's headline
     selection that notebook 02 found memory-right for this model (forced, the first agent
     formulation), in selection order; none when 02's file is absent."""
-    base = select_questions(bench.analysis, a["n_questions"], P.get("seed"))
-    k = a["memory_right_questions"]
+    a = cfg.agent
+    base = select_questions(bench.analysis, a.n_questions, cfg.seed)
+    k = a.memory_right_questions
     if not k:
         return base
-    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
     try:
-        mem = elicitation.load_memory(rd, model, "forced")
+        mem = elicitation.load_memory(cfg.run_dir, model, "forced")
     except MemtocError:
         return base
     mem = mem[mem["formulation"] == formulations[0]]
     right = {q for q, c, ab in zip(mem["qkey"], mem["memory_correct"], mem["mem_absent"])
              if c is not None and not pd.isna(c) and bool(c) and not bool(ab)}
     have = {q.qkey for q in base}
-    pool = select_questions(bench.analysis, max(int(P.get("n_questions") or 0), a["n_questions"]), P.get("seed"))
+    pool = select_questions(bench.analysis, max(cfg.n_questions, a.n_questions), cfg.seed)
     return base + [q for q in pool if q.qkey in right and q.qkey not in have][:k]
 
 
-def memory_for(P: dict[str, Any], model: str, questions, formulations: Sequence[str]) -> pd.DataFrame:
+def memory_for(cfg: RunConfig, model: str, questions, formulations: Sequence[str]) -> pd.DataFrame:
     """Forced closed-book answers of ``model`` on the agent's questions, through the run's generator
     and cache (served by notebook 02's cache when it ran); written under ``agent/<model>/``."""
-    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
-    gen = models.load_generator(model, backend=P["backend"], batch_size=P["batch_size"], dtype=P["dtype"],
-                                max_new_tokens=P["max_new_tokens"], model_cache_dir=P.get("model_cache_dir"),
-                                **(P.get("backend_options") or {}))
+    rd = cfg.run_dir
+    gen = models.load_generator(model, **cfg.generator_kwargs())
     try:
-        return elicitation.elicit(gen, model, questions, formulations, "forced", rd, matcher=P.get("matcher", "paper"),
+        return elicitation.elicit(gen, model, questions, formulations, "forced", rd, matcher=cfg.matcher,
                                   scored_file=rd / "agent" / model / "closed_book_forced.jsonl")
     finally:
         gen.close()
@@ -242,40 +166,43 @@ def runtime_key(rt: Runtime) -> str:
     return sha256_text(canonical_json(ident))[:16]
 
 
-def build_specs(model: str, questions, memory: pd.DataFrame, a: dict[str, Any], formulations: Sequence[str],
+def build_specs(model: str, questions, memory: pd.DataFrame, a: AgentConfig, formulations: Sequence[str],
                 runtime: str, matcher: str = "paper") -> list[EpisodeSpec]:
     """One EpisodeSpec per question × formulation × schema variant × protocol (that order)."""
     mem = {(r.formulation, r.qkey): r for r in memory.itertuples()}
     specs = []
     for q in questions:
-        tool_value, obs = observation(q, a["condition"])
+        tool_value, obs = observation(q, a.condition)
         for form in formulations:
             m = mem.get((form, q.qkey))
             span = "" if m is None or not isinstance(m.span, str) else m.span
             mc = None if m is None or pd.isna(m.memory_correct) else bool(m.memory_correct)
             absent = True if m is None else bool(m.mem_absent)
-            for variant in a["schema_variants"]:
+            for variant in a.schema_variants:
                 schema, kind = episode_schema(q, variant)
-                for p in a["protocols"]:
+                for p in a.protocols:
                     specs.append(EpisodeSpec(
                         model=model, protocol=p, formulation=form, schema_variant=variant, schema_kind=kind,
                         question_id=q.id, qkey=q.qkey, instance_id=q.instance_id, question=q.question, gold=q.gold,
-                        gold_kind=q.gold_kind, condition=a["condition"], tool_value=tool_value, observation=obs,
+                        gold_kind=q.gold_kind, condition=a.condition, tool_value=tool_value, observation=obs,
                         schema=schema, memory_span=span, memory_correct=mc, mem_absent=absent,
-                        max_calls=a["max_calls"], max_tokens_per_call=a["max_tokens_per_call"],
-                        max_tokens_per_episode=a["max_tokens_per_episode"], matcher=matcher, runtime=runtime))
+                        max_calls=a.max_calls, max_tokens_per_call=a.max_tokens_per_call,
+                        max_tokens_per_episode=a.max_tokens_per_episode, matcher=matcher, runtime=runtime))
     return specs
 
 
-def runtime_for(P: dict[str, Any], a: dict[str, Any], model: str) -> Runtime:
-    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
-    opts = dict(a["runtime_options"] or {})
-    if a["runtime"] == "transformers":
-        opts.setdefault("model_cache_dir", P.get("model_cache_dir"))
-        opts.setdefault("batch_size", P.get("batch_size", "auto"))
-        opts.setdefault("dtype", P.get("dtype", "auto"))
-    rt = make_runtime(a["runtime"], model, a["max_tokens_per_call"], cache_dir=rd / "agent" / model / "cache", **opts)
-    rt.check_protocols(a["protocols"])
+def runtime_for(cfg: RunConfig, model: str) -> Runtime:
+    """The agent runtime of ``model`` (``agent.runtime`` with ``agent.runtime_options``; the transformers
+    runtime takes the run's model cache, batch size and dtype unless the options set them)."""
+    a = cfg.agent
+    opts = dict(a.runtime_options)
+    if a.runtime == "transformers":
+        opts.setdefault("model_cache_dir", cfg.model_cache_dir)
+        opts.setdefault("batch_size", cfg.batch_size)
+        opts.setdefault("dtype", cfg.dtype)
+    rt = make_runtime(a.runtime, model, a.max_tokens_per_call, cache_dir=cfg.run_dir / "agent" / model / "cache",
+                      **opts)
+    rt.check_protocols(list(a.protocols))
     return rt
 
 
@@ -300,55 +227,49 @@ def caveat(model_names: Sequence[str]) -> str:
 # ==================================================================================================
 # the stage
 
-def summary_head(a: dict[str, Any]) -> dict[str, Any]:
+def summary_head(a: AgentConfig) -> dict[str, Any]:
     """The summary document before any model: caveat, config, metric definitions."""
-    return {"schema_version": SCHEMA_VERSION, "caveat": caveat(a["models"]), "config": a, "metrics": METRIC_DOC,
+    return {"schema_version": SCHEMA_VERSION, "caveat": caveat(a.models), "config": a.to_dict(), "metrics": METRIC_DOC,
             "constrained_decoding": None, "models": {}, "timing": {}}
 
 
-def model_block(records: list[dict], a: dict[str, Any], formulations: Sequence[str], n_questions: int,
+def model_block(records: list[dict], a: AgentConfig, formulations: Sequence[str], n_questions: int,
                 runtime: dict[str, Any], resume: dict[str, Any], n_perm: int = 10000) -> dict[str, Any]:
     """``/models/<model>`` of the summary from a model's episode records (see the module docstring)."""
     df = episodes_frame(records)
     right = in_slice(df, "memory_right") if len(df) else df
     mr = {f: int(right.loc[right["formulation"] == f, "qkey"].nunique()) if len(right) else 0 for f in formulations}
     return {"runtime": runtime,
-            "support": {"questions": n_questions, "memory_right_added": n_questions - a["n_questions"],
+            "support": {"questions": n_questions, "memory_right_added": n_questions - a.n_questions,
                         "formulations": list(formulations), "memory_right": mr, "episodes": len(records),
-                        "protocols": a["protocols"], "schema_variants": a["schema_variants"]},
+                        "protocols": list(a.protocols), "schema_variants": list(a.schema_variants)},
             "resumed": resume,
-            "slices": summarize_model(df, formulations, a["slices"], a["protocols"], n_boot=a["n_boot"],
+            "slices": summarize_model(df, formulations, list(a.slices), list(a.protocols), n_boot=a.n_boot,
                                       n_perm=n_perm, seed=0)}
 
 
-def run(P: dict[str, Any], show_progress: bool = True, log=print) -> dict[str, Any]:
+def run(cfg: RunConfig, show_progress: bool = True, log=print) -> dict[str, Any]:
     """Notebook 07's work (see the module docstring); returns the summary written to
-    ``summaries/agent.json``."""
-    a = agent_params(P)
-    rd = Path(P["run_dir"]) if "run_dir" in P else run_dir_of(P)
-    bench = load_benchmark(P.get("release_dir"))
+    ``summaries/agent.json``. ``cfg``: the run configuration (a params mapping is read with
+    ``RunConfig.of``)."""
+    cfg = RunConfig.of(cfg)
+    a = cfg.agent
+    bench = load_benchmark(cfg.release_dir)
     summary = summary_head(a)
     costs: dict[str, Any] = {}
-    for model in a["models"]:
+    for model in a.models:
         t0 = time.time()
-        forms = formulations_of(P, a, model)
-        questions = questions_for(P, a, model, bench, forms)
-        memory = memory_for(P, model, questions, forms)
+        forms = formulations_of(cfg, model)
+        questions = questions_for(cfg, model, bench, forms)
+        memory = memory_for(cfg, model, questions, forms)
         t_mem = time.time()
-        rt = runtime_for(P, a, model)
+        rt = runtime_for(cfg, model)
         try:
-            specs = build_specs(model, questions, memory, a, forms, runtime_key(rt), P.get("matcher", "paper"))
-            trace = Trace(rd / "agent" / model / "traces.jsonl")
-            started = time.time()
-
-            def report(done: int, total: int) -> None:
-                if show_progress:
-                    progress.report(f"{model} agent episodes", done, total, started, unit="episodes")
-
-            res = run_episodes(rt, specs, trace, progress=report)
+            specs = build_specs(model, questions, memory, a, forms, runtime_key(rt), cfg.matcher)
+            res = run_model(rt, specs, cfg.run_dir / "agent" / model / "traces.jsonl", model, show_progress)
             desc = {k: v for k, v in rt.describe().items() if k != "constrained_cost"}
             summary["models"][model] = model_block(res["records"], a, forms, len(questions), desc,
-                                                   dict(res["resume"], ran=res["ran"]), int(P.get("n_perm", 10000)))
+                                                   dict(res["resume"], ran=res["ran"]), cfg.n_perm)
             cost = getattr(rt, "constrained_stats", None)
             if cost:
                 costs[model] = cost
@@ -358,12 +279,24 @@ def run(P: dict[str, Any], show_progress: bool = True, log=print) -> dict[str, A
             rt.close()
         summary["timing"][model] = {"closed_book": round(t_mem - t0, 1), "episodes": round(time.time() - t_mem, 1),
                                     "total": round(time.time() - t0, 1)}
-    if a["runtime"] == "transformers":
+    if a.runtime == "transformers":
         summary["constrained_decoding"] = dict(constrained_library(), json_options=JSON_OPTIONS)
         summary["timing"]["constrained_decoding"] = costs       # measured cost per model (machine-dependent)
-    summary["published"] = published_block(P.get("release_dir"))
-    write_json(rd / "summaries" / "agent.json", summary)
+    summary["published"] = published_block(cfg.release_dir)
+    write_json(cfg.paths.summary("agent"), summary)
     return summary
+
+
+def run_model(rt: Runtime, specs: list[EpisodeSpec], trace_path: Path, model: str,
+              show_progress: bool = True) -> dict[str, Any]:
+    """The episodes of one model through its runtime, logged to (and resumed from) ``trace_path``."""
+    started = time.time()
+
+    def report(done: int, total: int) -> None:
+        if show_progress:
+            progress.report(f"{model} agent episodes", done, total, started, unit="episodes")
+
+    return run_episodes(rt, specs, Trace(trace_path), progress=report)
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

@@ -6,8 +6,8 @@ trainer, metrics, sae-lens files), ``mining`` (MI feature mining, fold-disjoint 
 """
 from __future__ import annotations
 
-from .core import CAVEAT, PR_DEFAULTS, SETS, SPLITS, ProbeError, episode_sets, probes_params, run
+from .core import CAVEAT, SETS, SPLITS, ProbeError, episode_sets, probes_params, run
 from .plots import plot_lens, plot_steering, lens_table, steer_table, sae_table
 
-__all__ = ["CAVEAT", "PR_DEFAULTS", "SETS", "SPLITS", "ProbeError", "episode_sets", "probes_params", "run",
+__all__ = ["CAVEAT", "SETS", "SPLITS", "ProbeError", "episode_sets", "probes_params", "run",
            "plot_lens", "plot_steering", "lens_table", "steer_table", "sae_table"]

@@ -35,8 +35,10 @@ import torch
 
 from .. import models
 from ..benchmark import load_benchmark
-from ..config import ConfigError, MemtocError, resolve_release_dir, section_params
+from ..blockconfig import ProbesConfig
+from ..config import ConfigError, MemtocError, resolve_release_dir
 from ..io import write_json
+from ..runconfig import RunConfig
 from ..scoring import canon
 from . import corpus as C
 from . import lens as L
@@ -50,50 +52,6 @@ SETS = ("arbitration", "own_answer")
 SPLITS = ("followed_tool", "kept_memory")
 TOP = 20
 
-#: Every key of the ``probes`` parameter block with its default: the default run's small slice
-#: (params/default.yaml: measured cost; params/probes.yaml: the documented full sizes).
-PR_DEFAULTS: dict[str, Any] = {
-    "enabled": True,
-    "corpus": C.BUILTIN,            # builtin (pydoc_data.topics) or a UTF-8 text file
-    # Jacobian lens
-    "bands": {},                    # {model: [lo, hi]} inclusive source layers; default: the top default_band_layers
-    "default_band_layers": 4,
-    "lens_files": {},               # {model: lens.pt} a published or earlier lens (reference layout); else fitted
-    "lens_fit_prompts": 1,          # fit-corpus documents (exact estimator; see params/probes.yaml for the cost)
-    "lens_max_seq_len": 24,
-    "lens_skip_first": 4,           # transformer-lens's default is 16 with 128-token prompts
-    "lens_dim_batch": 128,
-    "heldout_texts": 2,             # lens quality and spliced loss: held-out corpus documents
-    "heldout_max_seq_len": 32,
-    "lens_formulations": ["reference"],
-    "lens_max_episodes": 6,         # per set and split (the paper: all of its arbitration episodes)
-    "n_control": 5,                 # other questions' answers per prompt
-    # SAE
-    "sae_layers": {},               # {model: [layers]}; default: the band's middle layer
-    "sae_files": {},                # {model: {layer: dir}} pretrained dictionaries in sae-lens's layout
-    "dictionaries": {},             # {model: {release, sae_id, layer}} the paper's public dictionaries (recorded;
-                                    # used when a local topk copy is named in sae_files, else one is trained)
-    "sae_expansion": 4,
-    "sae_k": 16,
-    "sae_steps": 150,
-    "sae_batch": 256,
-    "sae_lr": 1.0e-3,
-    "sae_prompts": 8,               # run episode prompts (full sequences) for training
-    "sae_corpus_texts": 2,          # plus generic documents
-    "sae_max_seq_len": 128,
-    "sae_heldout_prompts": 3,       # held-out episode prompts: FVU gate, spliced loss
-    "fvu_gate": S.FVU_GATE,
-    # mining and steering
-    "mine_fold": 0,
-    "mine_per_label": 6,            # mining episodes per label (kept memory / followed tool)
-    "top_features": 8,
-    "steer_per_direction": 2,       # the paper: 40 per direction
-    "strengths": [12],              # the paper: 1-12
-    "directions": list(ST.DIRECTIONS),
-    "positions": list(ST.POSITIONS),
-    "steer_formulations": ["reference"],
-}
-
 CAVEAT = ("Embedded-model numbers: a tiny model whose arbitration cell holds a handful of episodes, a "
           "Jacobian lens fitted on a few documents of an offline corpus ({corpus}), and an SAE trained "
           "here on a few thousand tokens: pipeline checks, not measurements of the paper's models. No "
@@ -104,20 +62,9 @@ class ProbeError(MemtocError):
     """Missing inputs of notebooks 02/03, or an impossible probes configuration."""
 
 
-def probes_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
-    pr = section_params(P, "probes", PR_DEFAULTS, source)
-    for k in ("directions", "positions"):
-        valid = ST.DIRECTIONS if k == "directions" else ST.POSITIONS
-        bad = [v for v in pr[k] if v not in valid]
-        if bad:
-            raise ConfigError(f"{source}: probes.{k} {bad}; valid: {', '.join(valid)}")
-    for k in ("strengths",):
-        if not pr[k] or any(not isinstance(s, (int, float)) or s <= 0 for s in pr[k]):
-            raise ConfigError(f"{source}: probes.strengths must be positive numbers (0 is the baseline, always run)")
-    for k in ("bands", "lens_files", "sae_layers", "sae_files"):
-        if not isinstance(pr[k], dict):
-            raise ConfigError(f"{source}: probes.{k} must be a mapping keyed by model name")
-    return pr
+def probes_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> ProbesConfig:
+    """The run's ``probes`` block (``RunConfig.of(params, source).probes``)."""
+    return RunConfig.of(params, source).probes
 
 
 def _for_model(table: dict, name: str, label: str):
@@ -127,11 +74,11 @@ def _for_model(table: dict, name: str, label: str):
     return None
 
 
-def band_of(pr: dict, lm: LoadedModel) -> list[int]:
-    b = _for_model(pr["bands"], lm.name, lm.spec.label)
+def band_of(pr: ProbesConfig, lm: LoadedModel) -> list[int]:
+    b = _for_model(pr.bands, lm.name, lm.spec.label)
     top = lm.n_layers - 2                       # source layers stop below the last layer
     if b is None:
-        return list(range(max(0, top - pr["default_band_layers"] + 1), top + 1))
+        return list(range(max(0, top - pr.default_band_layers + 1), top + 1))
     lo, hi = int(b[0]), min(int(b[1]), top)
     if not 0 <= lo <= hi:
         raise ConfigError(f"probes.bands.{lm.name}: {b} is not a range inside 0..{top}")
@@ -168,11 +115,11 @@ def _rank_stats(ranks: Sequence[int]) -> dict[str, Any]:
 
 
 # -- the lens ------------------------------------------------------------------------------------
-def run_lens(lm: LoadedModel, pr: dict, rows: list[dict], run_dir: Path, docs_fit: list[str],
+def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path, docs_fit: list[str],
              docs_held: list[str], corpus_info: C.CorpusInfo) -> dict[str, Any]:
     t0 = time.time()
     band = band_of(pr, lm)
-    given = _for_model(pr["lens_files"], lm.name, lm.spec.label)
+    given = _for_model(pr.lens_files, lm.name, lm.spec.label)
     if given:
         lens = L.load_lens(given)
         L.check_lens(lens, lm, f"probes.lens_files.{lm.name}")
@@ -181,24 +128,24 @@ def run_lens(lm: LoadedModel, pr: dict, rows: list[dict], run_dir: Path, docs_fi
             raise ConfigError(f"probes.lens_files.{lm.name}: {given} has no matrix for band layers {missing}")
         fit = {"file": str(given), "source": "given", "metadata": lens.metadata, "n_prompts": lens.n_prompts}
     else:
-        key = L.fit_key(lm, corpus_info.sha256, band, pr["lens_skip_first"], pr["lens_max_seq_len"], len(docs_fit))
+        key = L.fit_key(lm, corpus_info.sha256, band, pr.lens_skip_first, pr.lens_max_seq_len, len(docs_fit))
         out = run_dir / "probes" / lm.spec.label / "lens" / key
-        lens = L.fit_lens(lm, docs_fit, band, out, max_seq_len=pr["lens_max_seq_len"],
-                          skip_first=pr["lens_skip_first"], dim_batch=pr["lens_dim_batch"],
+        lens = L.fit_lens(lm, docs_fit, band, out, max_seq_len=pr.lens_max_seq_len,
+                          skip_first=pr.lens_skip_first, dim_batch=pr.lens_dim_batch,
                           metadata={"model": lm.name, "weights_sha256": lm.weights_sha256,
                                     "corpus": corpus_info.to_dict()},
                           desc=f"{lm.spec.label}: Jacobian lens")
         fit = {"file": str((out / L.LENS_FILE).relative_to(run_dir)), "source": "fitted here", "n_prompts": lens.n_prompts,
                "n_tokens": lens.metadata.get("n_tokens"), "estimator": "exact (one-hot cotangents)"}
     t_fit = time.time() - t0
-    held = [lm.encode_text(d, pr["heldout_max_seq_len"]) for d in docs_held]
+    held = [lm.encode_text(d, pr.heldout_max_seq_len) for d in docs_held]
     quality = L.lens_quality(lm, held, lens, band)
     t_q = time.time() - t0 - t_fit
     sets = episode_sets(rows)
     out_sets = {}
     for name in SETS:
-        eps = [e for sp in SPLITS for e in [x for x in sets[name] if x["outcome"] == sp][: pr["lens_max_episodes"]]]
-        out_sets[name] = lens_set(lm, lens, band, eps, pr["n_control"])
+        eps = [e for sp in SPLITS for e in [x for x in sets[name] if x["outcome"] == sp][: pr.lens_max_episodes]]
+        out_sets[name] = lens_set(lm, lens, band, eps, pr.n_control)
     return {"band": [band[0], band[-1]], "fit": fit | {"corpus": corpus_info.to_dict()},
             "quality": quality, "sets": out_sets,
             "seconds": {"fit": t_fit, "quality": t_q, "readout": time.time() - t0 - t_fit - t_q}}
@@ -254,28 +201,30 @@ def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_
 
 
 # -- the SAE -------------------------------------------------------------------------------------
-def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run_dir: Path,
+def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_dir: Path,
             docs_fit: list[str], corpus_info: C.CorpusInfo, evaluation: dict) -> dict[str, Any]:
-    t0 = time.time()
+    """The SAE probe of one model: dictionaries per layer (given or trained here; seed: the run's seed
+    plus the layer), their FVU gate, then feature mining and steering with the passing ones."""
+    pr = cfg.probes
     timing: dict[str, float] = {}
-    mine, edit, split_info = M.split_folds(rows, questions, pr["mine_fold"])
+    mine, edit, split_info = M.split_folds(rows, questions, pr.mine_fold)
     mine_q = sorted({r["question_id"] for r in mine})
     # training prompts: the mining fold's own tool-wrong prompts (never the edit fold's) + generic documents;
     # held out (FVU gate, spliced loss): the last mining-fold prompts, disjoint from the training ones
-    n_held = min(pr["sae_heldout_prompts"], len(mine) // 4) if len(mine) >= 2 else 0
+    n_held = min(pr.sae_heldout_prompts, len(mine) // 4) if len(mine) >= 2 else 0
     if n_held < 1:
         return {"layers": {}, "split": split_info, "mined_questions": len(mine_q), "timing": timing,
                 "steer": {"skipped": f"too few mining-fold tool-wrong episodes ({len(mine)}) for an SAE with a "
                                      "held-out set; larger n_questions"}}
     held_eps = mine[len(mine) - n_held:]
-    train_eps = mine[: min(pr["sae_prompts"], len(mine) - n_held)]
-    seq_train = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in train_eps]
-    seq_train += [lm.encode_text(d, pr["sae_max_seq_len"]) for d in docs_fit[: pr["sae_corpus_texts"]]]
-    seq_held = [lm.encode_prompt(r["prompt"])[: pr["sae_max_seq_len"]] for r in held_eps]
-    layers = _for_model(pr["sae_layers"], lm.name, lm.spec.label)
+    train_eps = mine[: min(pr.sae_prompts, len(mine) - n_held)]
+    seq_train = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in train_eps]
+    seq_train += [lm.encode_text(d, pr.sae_max_seq_len) for d in docs_fit[: pr.sae_corpus_texts]]
+    seq_held = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in held_eps]
+    layers = _for_model(pr.sae_layers, lm.name, lm.spec.label)
     band = band_of(pr, lm)
     layers = [int(l) for l in (layers or [band[len(band) // 2]])]
-    files = _for_model(pr["sae_files"], lm.name, lm.spec.label) or {}
+    files = _for_model(pr.sae_files, lm.name, lm.spec.label) or {}
     out_layers: dict[str, Any] = {}
     saes: dict[int, tuple[S.TopKSAE, str]] = {}
     for l in layers:
@@ -288,22 +237,22 @@ def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run
             sae, cfg = S.load_sae(Path(given))
             info = {"source": "given", "file": str(given)}
         else:
-            sae, info = S.train_topk(acts, pr["sae_expansion"] * lm.d_model, pr["sae_k"], pr["sae_steps"],
-                                     pr["sae_batch"], pr["sae_lr"], seed=int(P.get("seed", 0)) + l)
+            sae, info = S.train_topk(acts, pr.sae_expansion * lm.d_model, pr.sae_k, pr.sae_steps,
+                                     pr.sae_batch, pr.sae_lr, seed=cfg.seed + l)
             d = run_dir / "probes" / lm.spec.label / "sae" / f"layer{l}"
             S.save_sae(sae, d, model_name=lm.name, layer=l,
                        extra={"corpus": corpus_info.to_dict(), "train": info})
             info = info | {"source": "trained here", "file": str(d.relative_to(run_dir))}   # relative: the run moves
         timing[f"sae_layer{l}_train"] = time.time() - t1 - timing[f"sae_layer{l}_activations"]
         m = S.metrics(sae, held)
-        m["passes_gate"] = bool(m["fvu"] < pr["fvu_gate"])
+        m["passes_gate"] = bool(m["fvu"] < pr.fvu_gate)
         m_train = S.metrics(sae, acts)
         out_layers[str(l)] = {**m, "fvu_train": m_train["fvu"], "dead_fraction_train": m_train["dead_fraction"],
-                              "spliced_loss": S.spliced_loss(lm, seq_held, l, sae), "gate": pr["fvu_gate"],
+                              "spliced_loss": S.spliced_loss(lm, seq_held, l, sae), "gate": pr.fvu_gate,
                               "n_train_tokens": int(acts.shape[0]), **info}
         saes[l] = (sae, ST.sae_sha256(sae))
         timing[f"sae_layer{l}_total"] = time.time() - t1
-    named = _for_model(pr["dictionaries"], lm.name, lm.spec.label)
+    named = _for_model(pr.dictionaries, lm.name, lm.spec.label)
     res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q),
                            "dictionary": {"paper": named, "used": {l: out_layers[str(l)]["source"] for l in layers},
                                           "note": ("memtoc reads local topk dictionaries in sae-lens's layout "
@@ -313,10 +262,10 @@ def run_sae(lm: LoadedModel, pr: dict, P: dict, rows: list[dict], questions, run
     bar = ST.prompting_bar(evaluation, lm.name)
     res["steer"] = {"bar": bar}
     if not passing:
-        res["steer"]["skipped"] = f"no dictionary passes the FVU gate (< {pr['fvu_gate']}); no edit is run"
+        res["steer"]["skipped"] = f"no dictionary passes the FVU gate (< {pr.fvu_gate}); no edit is run"
         res["timing"] = timing
         return res
-    mining = mine_and_steer(lm, pr, P, mine, edit, passing, saes, run_dir, bar["bar"], res["steer"], questions,
+    mining = mine_and_steer(lm, cfg, mine, edit, passing, saes, run_dir, bar["bar"], res["steer"], questions,
                             timing)
     res["mining"] = mining
     res["timing"] = timing
@@ -330,21 +279,22 @@ def _labelled(rows: list[dict], n: int) -> list[dict]:
     return out
 
 
-def mine_and_steer(lm: LoadedModel, pr: dict, P: dict, mine: list[dict], edit: list[dict], layers: list[int],
+def mine_and_steer(lm: LoadedModel, cfg: RunConfig, mine: list[dict], edit: list[dict], layers: list[int],
                    saes: dict, run_dir: Path, bar: Optional[float], steer_out: dict, questions, timing: dict) -> dict[str, Any]:
     """Mine features on the mining fold (half for MI, half for the held-out cross-check), then run
     the edits on the other fold's episodes."""
+    pr = cfg.probes
     qs = sorted({r["question_id"] for r in mine})
     half = set(qs[0::2])
-    mi_rows = _labelled([r for r in mine if r["question_id"] in half], pr["mine_per_label"])
-    ho_rows = _labelled([r for r in mine if r["question_id"] not in half], pr["mine_per_label"])
+    mi_rows = _labelled([r for r in mine if r["question_id"] in half], pr.mine_per_label)
+    ho_rows = _labelled([r for r in mine if r["question_id"] not in half], pr.mine_per_label)
     out: dict[str, Any] = {"n_mi": len(mi_rows), "n_heldout": len(ho_rows),
                            "n_mi_by_label": {lab: sum(r["outcome"] == lab for r in mi_rows) for lab in (M.MEMORY, M.TOOL)}}
-    matcher = P.get("matcher", "paper")
-    forms = set(pr["steer_formulations"])
+    matcher = cfg.matcher
+    forms = set(pr.steer_formulations)
     cand = [r for r in edit if r["formulation"] in forms]
-    sel = {"to_memory": [r for r in cand if r["outcome"] == M.TOOL][: pr["steer_per_direction"]],
-           "to_tool": [r for r in cand if r["outcome"] == M.MEMORY][: pr["steer_per_direction"]]}
+    sel = {"to_memory": [r for r in cand if r["outcome"] == M.TOOL][: pr.steer_per_direction],
+           "to_tool": [r for r in cand if r["outcome"] == M.MEMORY][: pr.steer_per_direction]}
     M.assert_disjoint(mi_rows + ho_rows, sel["to_memory"] + sel["to_tool"], questions)
     for l in layers:
         t0 = time.time()
@@ -353,7 +303,7 @@ def mine_and_steer(lm: LoadedModel, pr: dict, P: dict, mine: list[dict], edit: l
         zh = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in ho_rows], l, "last"))) \
             if ho_rows else torch.zeros(0, sae.d_sae)
         feats = M.mine_features(z, [r["outcome"] for r in mi_rows], zh, [r["outcome"] for r in ho_rows],
-                                pr["top_features"])
+                                pr.top_features)
         out[str(l)] = {"features": M.feature_table(feats),
                        "heldout_agreement": {s: [f.agrees for f in feats[s]] for s in feats}}
         timing[f"mining_layer{l}"] = time.time() - t0
@@ -361,18 +311,19 @@ def mine_and_steer(lm: LoadedModel, pr: dict, P: dict, mine: list[dict], edit: l
             steer_out[str(l)] = {"skipped": "no feature separates the labels on the mining episodes"}
             continue
         t0 = time.time()
-        steer_out[str(l)] = steer_layer(lm, pr, P, l, sae, sha, feats, sel, run_dir, matcher, bar)
+        steer_out[str(l)] = steer_layer(lm, cfg, l, sae, sha, feats, sel, run_dir, matcher, bar)
         timing[f"steering_layer{l}"] = time.time() - t0
     out["edit_episodes"] = {d: [r["episode_id"] for r in v] for d, v in sel.items()}
     return out
 
 
-def steer_layer(lm, pr, P, l, sae, sha, feats, sel, run_dir, matcher, bar) -> dict[str, Any]:
+def steer_layer(lm, cfg: RunConfig, l, sae, sha, feats, sel, run_dir, matcher, bar) -> dict[str, Any]:
+    pr = cfg.probes
     cache = run_dir / "probes" / lm.spec.label / "steer" / "replies.jsonl"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    mnt = int(P.get("max_new_tokens", 48))
+    mnt = cfg.max_new_tokens
     res: dict[str, Any] = {}
-    for d in pr["directions"]:
+    for d in pr.directions:
         eps = sel[d]
         if not eps:
             res[d] = {"skipped": f"no edit-fold episode with the baseline label for {d}"}
@@ -396,35 +347,37 @@ def steer_layer(lm, pr, P, l, sae, sha, feats, sel, run_dir, matcher, bar) -> di
                                                                          for r, e in zip(base, eps)),
                               "on_target": sum(ST.on_target(x, d) for x in base_scores),
                               "degeneration": sum(x["degeneration"]["any"] for x in base_scores)}
-        for pos in pr["positions"]:
+        for pos in pr.positions:
             res[d][pos] = {}
-            for s in pr["strengths"]:
+            for s in pr.strengths:
                 scores = [ST.score(r.text, e, matcher) for r, e in zip(replies_at(pos, s), eps)]
                 res[d][pos][str(s)] = ST.cell(d, base_scores, scores, bar)
     return res
 
 
 # -- the stage -----------------------------------------------------------------------------------
-def run(P: dict[str, Any]) -> dict[str, Any]:
-    pr = probes_params(P)
-    run_dir = Path(P["run_dir"])
-    docs, cinfo = C.load_corpus(pr["corpus"])
-    docs_fit, docs_held = C.split_corpus(docs, max(pr["lens_fit_prompts"], pr["sae_corpus_texts"]), pr["heldout_texts"])
-    bench = load_benchmark(P.get("release_dir"))
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Notebook 05's work for every model of the run; writes ``summaries/probes.json``. ``cfg``: the
+    run configuration (a params mapping is read with ``RunConfig.of``)."""
+    cfg = RunConfig.of(cfg)
+    pr, run_dir = cfg.probes, cfg.run_dir
+    docs, cinfo = C.load_corpus(pr.corpus)
+    docs_fit, docs_held = C.split_corpus(docs, max(pr.lens_fit_prompts, pr.sae_corpus_texts), pr.heldout_texts)
+    bench = load_benchmark(cfg.release_dir)
     ev_path = run_dir / "summaries" / "evaluation.json"
     evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
-    summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"),
+    summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": cfg.run_name,
                                "corpus": cinfo.to_dict(), "caveat": CAVEAT.format(corpus=cinfo.name),
-                               "config": pr, "models": {}, "published": published(P.get("release_dir"))}
-    for name in P["models"]:
+                               "config": pr.to_dict(), "models": {}, "published": published(cfg.release_dir)}
+    for name in cfg.models:
         t0 = time.time()
-        lm = load_model(name, P.get("model_cache_dir"))
+        lm = load_model(name, cfg.model_cache_dir)
         t_load = time.time() - t0
-        rows = read_scored(run_dir, lm.spec.label, sorted(set(pr["lens_formulations"]) | set(pr["steer_formulations"])))
-        lens_rows = [r for r in rows if r["formulation"] in pr["lens_formulations"]]
-        lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr["lens_fit_prompts"]], docs_held, cinfo)
+        rows = read_scored(run_dir, lm.spec.label, sorted(set(pr.lens_formulations) | set(pr.steer_formulations)))
+        lens_rows = [r for r in rows if r["formulation"] in pr.lens_formulations]
+        lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr.lens_fit_prompts], docs_held, cinfo)
         t1 = time.time()
-        sae = run_sae(lm, pr, P, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation)
+        sae = run_sae(lm, cfg, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation)
         summary["models"][name] = {
             "label": lm.spec.label, "chat": lm.spec.chat, "n_layers": lm.n_layers, "d_model": lm.d_model,
             "lens": lz["sets"], "lens_quality": lz["quality"], "lens_fit": {"band": lz["band"], **lz["fit"]},

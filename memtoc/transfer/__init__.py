@@ -1,6 +1,7 @@
 """Transfer beyond MemToC (notebook 06): an external multiple-choice counterfactual set, forward and
 reverse transfer. ``data`` (format, validation, import, the built-in plumbing set), ``matcher``
-(multiple-choice matcher, ``memtoc transfer score``), ``core`` (episodes, metrics, the stage).
+(multiple-choice matcher, ``memtoc transfer score``), ``core`` (episodes, metrics, the stage),
+``tables`` (tables and the figure); the ``transfer`` block: ``memtoc.blockconfig.TransferConfig``.
 
     memtoc transfer validate FILE
     memtoc transfer import --counterfactual CF --arc ARC [--unanswerable UN] -o OUT.jsonl
@@ -14,12 +15,12 @@ import json
 import shutil
 import sys
 
-from .core import (METRICS, TR_DEFAULTS, TransferEpisode, TransferError, build_episodes, check_no_memtoc_leak,
-                   forward_table, metric_units, plot, published_table, rates_table, read_summary, reverse_examples,
-                   reverse_table, run, score_replies, select_items, transfer_params)
+from .core import (METRICS, TransferConfig, TransferEpisode, TransferError, build_episodes, check_no_memtoc_leak,
+                   metric_units, read_summary, reverse_examples, run, score_replies, select_items, transfer_params)
 from .data import (PLUMBING_NOTE, TransferDataError, TransferItem, builtin_path, import_faitheval, load_items,
                    validate_file, validate_lines, write_items)
 from .matcher import ABSTAIN, ChoiceMatch, match_choice, score_cli, score_lines, score_record
+from .tables import forward_table, plot, published_table, rates_table, reverse_table
 
 USAGE = __doc__
 

@@ -48,6 +48,7 @@ closed-book answers, ``finetune.paired_deltas``).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -58,21 +59,20 @@ import pandas as pd
 
 from .. import analyses, elicitation, evaluation, finetune, models, prompts
 from ..benchmark import load_benchmark, select_questions
-from ..config import (DEFAULTS, FORMULATIONS, ConfigError, MemtocError, check_choice, ordered_subset,
-                      resolve_release_dir, section_params)
-from ..config import run_dir as run_dir_of
+from ..blockconfig import TransferConfig
+from ..config import DEFAULTS, FORMULATIONS, MemtocError, check_choice, resolve_release_dir
 from ..metrics import definitions, paired_units
 from ..records import Question
+from ..runconfig import RunConfig
 from ..scoring import canon
-from .data import BUILTIN, POOLS, TransferItem, load_items
-from .matcher import ABSTAIN, UNMATCHED_GAP, match_choice
+from .data import POOLS, TransferItem, load_items
+from .matcher import ABSTAIN, match_choice
 
 SCHEMA_VERSION = 1
 CONDITIONS = ("closed_book", "value", "passage", "unanswerable")
 FRAMES = POOLS                                      # the two presentation frames (value, passage)
 PROMPT_FRAME = {"value": "schema", "passage": "passage", "unanswerable": "passage"}
 REVERSE_OBJECTIVE = "transfer_dpo"
-CLOSED_BOOK_BAND = 0.03
 
 #: The value frame's tool schema (memtoc's wording; the paper does not print its frame prompts).
 TOOL_SCHEMA: dict[str, Any] = {
@@ -98,31 +98,6 @@ METRICS = tuple(METRIC_DOC)
 #: Table 6's columns (Holm family of each forward arm).
 TABLE6_METRICS = ("retention_value", "retention_passage", "abstention")
 
-#: Every key of the ``transfer`` parameter, with its default (params/*.yaml override).
-TR_DEFAULTS: dict[str, Any] = {
-    "enabled": True,
-    "dataset": BUILTIN,                # "builtin" (the plumbing set) or a path to a validated JSONL
-    "n_counterfactual": None,          # first n counterfactual items (None: all)
-    "n_unanswerable": None,            # first n unanswerable items (None: all)
-    "verified_only": False,            # keep only rows with verified: true (the paper's human-verified pools)
-    "formulations": None,              # None: the run's formulations
-    "models": None,                    # None: notebook 04's models (finetune.models: the run's instruction-
-                                       #   tuned models, as the paper's Table 6); else a list of the run's models
-    "frames": list(FRAMES),
-    "forward_objectives": ["sft", "dpo"],
-    "forward_folds": [0],              # which of notebook 04's fold adapters to read (any: none saw this set)
-    "adapters_from": None,             # None: this run's adapters/; else another run directory
-    "extra_adapters": {},              # {arm name: peft adapter dir}, e.g. adapters trained on the full 575 pool
-    "reverse": True,                   # train and evaluate the reverse-transfer adapter
-    "reverse_max_steps": 2,            # optimizer steps of the reverse DPO (-1: one epoch)
-    "reverse_batch_size": 2,
-    "reverse_train_formulations": ["reference"],
-    "reverse_eval_questions": 8,       # MemToC analysis questions the reverse adapter is scored on
-    "closed_book_band": CLOSED_BOOK_BAND,
-    "unmatched_gap": UNMATCHED_GAP,
-}
-
-
 class TransferError(MemtocError):
     """The transfer stage cannot run as configured (no items, leaking training data, ...)."""
 
@@ -130,82 +105,20 @@ class TransferError(MemtocError):
 # ==================================================================================================
 # parameters
 
-def transfer_params(P: dict[str, Any], source: str = "<params>") -> dict[str, Any]:
-    """The resolved ``transfer`` mapping (TR_DEFAULTS overlaid with ``P["transfer"]``), validated."""
-    t = section_params(P, "transfer", TR_DEFAULTS, source)
-
-    def fail(key: str, msg: str) -> None:
-        raise ConfigError(f"{source}: field 'transfer.{key}': {msg}")
-
-    def pos_int_or_none(key: str) -> None:
-        v = t[key]
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            fail(key, f"must be null (all) or a non-negative integer, got {v!r}")
-
-    for key in ("enabled", "verified_only", "reverse"):
-        if not isinstance(t[key], bool):
-            fail(key, f"must be true or false, got {t[key]!r}")
-    if not isinstance(t["dataset"], str) or not t["dataset"]:
-        fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
-    pos_int_or_none("n_counterfactual")
-    pos_int_or_none("n_unanswerable")
-    forms = ordered_subset(t["formulations"] if t["formulations"] is not None
-                           else list(P.get("formulations") or FORMULATIONS), FORMULATIONS)
-    if forms is None:
-        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
-    t["formulations"] = forms
-    run_models = list(P.get("models") or [])
-    if t["models"] is None:
-        t["models"] = [m for m in finetune.finetune_params(P, source)["models"] if m in run_models]
-    elif isinstance(t["models"], str):
-        t["models"] = [t["models"]]
-    if not isinstance(t["models"], list) or any(m not in run_models for m in t["models"]):
-        fail("models", f"must be null (notebook 04's models) or a list drawn from the run's models {run_models}")
-    if not isinstance(t["frames"], list) or not t["frames"] or any(f not in FRAMES for f in t["frames"]):
-        fail("frames", f"must be a non-empty list drawn from {list(FRAMES)}")
-    t["frames"] = [f for f in FRAMES if f in t["frames"]]
-    objs = t["forward_objectives"]
-    if not isinstance(objs, list) or any(o not in finetune.OBJECTIVES for o in objs):
-        fail("forward_objectives", f"must be a list drawn from {list(finetune.OBJECTIVES)} (empty: no forward arms)")
-    folds = t["forward_folds"]
-    if not isinstance(folds, list) or any(k not in (0, 1) or isinstance(k, bool) for k in folds):
-        fail("forward_folds", "must be a list drawn from [0, 1]")
-    if t["adapters_from"] is not None and not isinstance(t["adapters_from"], str):
-        fail("adapters_from", "must be null (this run) or a run directory")
-    ea = t["extra_adapters"]
-    if ea is None:
-        t["extra_adapters"] = ea = {}
-    if not isinstance(ea, dict) or not all(isinstance(k, str) and k and k != "untreated" and "/" not in k
-                                           and isinstance(v, str) and v for k, v in ea.items()):
-        fail("extra_adapters", "must be a mapping {arm name: adapter directory} (names other than 'untreated', "
-                               "without '/')")
-    ms = t["reverse_max_steps"]
-    if not isinstance(ms, int) or isinstance(ms, bool) or ms == 0 or ms < -1:
-        fail("reverse_max_steps", f"must be -1 (one epoch) or a positive integer, got {ms!r}")
-    for key in ("reverse_batch_size", "reverse_eval_questions"):
-        v = t[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            fail(key, f"must be a positive integer, got {v!r}")
-    rf = ordered_subset(t["reverse_train_formulations"], FORMULATIONS)
-    if rf is None:
-        fail("reverse_train_formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
-    t["reverse_train_formulations"] = rf
-    for key in ("closed_book_band", "unmatched_gap"):
-        v = t[key]
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1):
-            fail(key, f"must be a number in [0, 1), got {v!r}")
-    return t
+def transfer_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> TransferConfig:
+    """The run's resolved ``transfer`` block (``RunConfig.of(params, source).transfer``)."""
+    return RunConfig.of(params, source).transfer
 
 
-def select_items(items: Sequence[TransferItem], tr: dict[str, Any]) -> tuple[list[TransferItem], list[TransferItem]]:
+def select_items(items: Sequence[TransferItem], tr: TransferConfig) -> tuple[list[TransferItem], list[TransferItem]]:
     """(counterfactual items on the frames' common support, unanswerable items), cut to the sizes."""
-    keep = [i for i in items if i.verified or not tr["verified_only"]]
-    cf = [i for i in keep if i.kind == "counterfactual" and all(f in i.pools for f in tr["frames"])]
+    keep = [i for i in items if i.verified or not tr.verified_only]
+    cf = [i for i in keep if i.kind == "counterfactual" and all(f in i.pools for f in tr.frames)]
     un = [i for i in keep if i.kind == "unanswerable"]
-    if tr["n_counterfactual"] is not None:
-        cf = cf[:tr["n_counterfactual"]]
-    if tr["n_unanswerable"] is not None:
-        un = un[:tr["n_unanswerable"]]
+    if tr.n_counterfactual is not None:
+        cf = cf[:tr.n_counterfactual]
+    if tr.n_unanswerable is not None:
+        un = un[:tr.n_unanswerable]
     return cf, un
 
 
@@ -317,7 +230,7 @@ def active_metrics(frames: Sequence[str]) -> list[str]:
 
 
 def arm_rates(scored: pd.DataFrame, mem_right: set, formulations: Sequence[str], frames: Sequence[str],
-              n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict[str, dict]:
+              n_boot: int = DEFAULTS["n_boot"], seed: int = 0, alpha: float = DEFAULTS["alpha"]) -> dict[str, dict]:
     """``{metric: {form: interval, "pooled": interval}}`` for one arm."""
     return {m: analyses.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
                                          seed=seed, alpha=alpha)
@@ -325,7 +238,8 @@ def arm_rates(scored: pd.DataFrame, mem_right: set, formulations: Sequence[str],
 
 
 def arm_deltas(treated: pd.DataFrame, untreated: pd.DataFrame, mem_right: set, formulations: Sequence[str],
-               frames: Sequence[str], arm: str, n_boot: int = 2000, n_perm: int = 10000, seed: int = 0) -> dict:
+               frames: Sequence[str], arm: str, n_boot: int = DEFAULTS["n_boot"], n_perm: int = DEFAULTS["n_perm"],
+               seed: int = 0) -> dict:
     """``{metric: {form|pooled: contrast object + treated/untreated rates}}``: adapter − untreated on
     common support (units (formulation, item), clusters = items); Holm over Table 6's pooled metrics."""
     out: dict[str, dict] = {}
@@ -415,10 +329,9 @@ def check_no_memtoc_leak(examples: Sequence[finetune.TrainExample], questions: S
 # ==================================================================================================
 # the stage (I/O and models)
 
-def _gen_kwargs(P: dict[str, Any], ft: dict[str, Any]) -> dict[str, Any]:
-    return dict(backend=P.get("backend", DEFAULTS["backend"]), batch_size=P.get("batch_size", DEFAULTS["batch_size"]),
-                dtype=ft["eval_dtype"] or P.get("dtype", DEFAULTS["dtype"]), max_new_tokens=P.get("max_new_tokens", DEFAULTS["max_new_tokens"]),
-                model_cache_dir=P.get("model_cache_dir"), **(P.get("backend_options") or {}))
+def _gen_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """``models.load_generator`` arguments of this stage: the run's, with ``finetune.eval_dtype``."""
+    return {**cfg.generator_kwargs(), "dtype": cfg.finetune.eval_dtype or cfg.dtype}
 
 
 def find_adapters(adapter_root, model: str, objectives: Sequence[str], folds: Sequence[int]) -> dict[str, Path]:
@@ -444,110 +357,118 @@ def run_arm(gen, label: str, arm: str, episodes: Sequence[TransferEpisode], run_
     return score_replies(episodes, [getattr(r, "text", r) for r in replies], arm)
 
 
-def run(P: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+def run(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Forward and reverse transfer for every model of the run; writes ``summaries/transfer.json``
-    and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary."""
-    tr = transfer_params(P)
-    ft = finetune.finetune_params(P)
-    run_dir = Path(P.get("run_dir") or run_dir_of(P))
-    P = {**P, "run_dir": run_dir}
+    and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary. ``cfg``: the run
+    configuration (a params mapping is read with ``RunConfig.of``)."""
+    cfg = RunConfig.of(cfg)
+    tr = cfg.transfer
     timing: dict[str, float] = {}
     t0 = time.time()
-    items, info = load_items(tr["dataset"])
+    items, info = load_items(tr.dataset)
     cf, un = select_items(items, tr)
     if not cf:
         raise TransferError(f"no counterfactual items on the frames' common support in {info['path']} "
-                            f"(frames {tr['frames']}, verified_only {tr['verified_only']}, n_counterfactual "
-                            f"{tr['n_counterfactual']})")
-    forms, frames = tr["formulations"], tr["frames"]
-    n_boot, n_perm, alpha = P.get("n_boot", DEFAULTS["n_boot"]), P.get("n_perm", DEFAULTS["n_perm"]), P.get("alpha", DEFAULTS["alpha"])
-    episodes = build_episodes(cf, un, forms, frames)
-    adapter_root = Path(tr["adapters_from"]) if tr["adapters_from"] else run_dir
+                            f"(frames {list(tr.frames)}, verified_only {tr.verified_only}, n_counterfactual "
+                            f"{tr.n_counterfactual})")
+    episodes = build_episodes(cf, un, tr.formulations, tr.frames)
     caveat = ("Numbers from the run's models on " + (info["note"] if info["plumbing"] else f"the set {info['path']}")
               + "; the paper's numbers (published) are Llama-3.1-8B-Instruct / gemma-2-9b-it on FaithEval x "
                 "ARC-Challenge: a different model and different data.")
     summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "run_name": P.get("run_name"), "dataset": info, "caveat": caveat,
-        "config": tr, "n_boot": n_boot, "n_perm": n_perm, "alpha": alpha,
-        "metrics": {m: METRIC_DOC[m] for m in active_metrics(frames)},
+        "schema_version": SCHEMA_VERSION, "run_name": cfg.run_name, "dataset": info, "caveat": caveat,
+        "config": tr.to_dict(), "n_boot": cfg.n_boot, "n_perm": cfg.n_perm, "alpha": cfg.alpha,
+        "metrics": {m: METRIC_DOC[m] for m in active_metrics(tr.frames)},
         "reverse_metrics": definitions(finetune.METRICS),
-        "models": {}, "published": published_transfer(P.get("release_dir")), "timing": timing,
+        "models": {}, "published": published_transfer(cfg.release_dir), "timing": timing,
     }
-    bench = load_benchmark(P.get("release_dir")) if tr["reverse"] else None
-    out_dir = run_dir / "transfer"
-    for model in tr["models"]:
-        gen_kw = _gen_kwargs(P, ft)
-        label = model
-        ms: dict[str, Any] = {"arms": {}, "forward": {}}
-        # 1. untreated: transfer episodes (+ MemToC held-out episodes for the reverse comparison)
-        t1 = time.time()
-        gen = models.load_generator(model, **gen_kw)
-        try:
-            base = run_arm(gen, label, "untreated", episodes, run_dir)
-            if tr["reverse"]:
-                rq, r_sel = reverse_eval_questions(bench, P, tr, label)
-                r_eps = finetune.eval_episodes(rq, list(P.get("formulations") or FORMULATIONS), ft["eval_conditions"])
-                memory = evaluation.ensure_memory(gen, label, bench, r_eps, P)
-                r_base = finetune.score_with(gen, label, r_eps, memory, run_dir, P.get("matcher", DEFAULTS["matcher"]))
-        finally:
-            finetune.close_generator(gen)
-        timing[f"{model}/untreated"] = round(time.time() - t1, 1)
-        mem = memory_right(base)
-        _write(out_dir / model / "scored_untreated.jsonl", base)
-        ms["support"] = {"n_items": len(cf), "n_unanswerable": len(un),
-                         "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
-        rates_b = arm_rates(base, mem, forms, frames, n_boot, 0, alpha)
-        ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
-        # 2. forward: notebook 04's adapters
-        found = find_adapters(adapter_root, label, tr["forward_objectives"], tr["forward_folds"])
-        for arm, d in tr["extra_adapters"].items():
-            if not (Path(d) / "adapter_config.json").is_file():
-                raise TransferError(f"transfer.extra_adapters.{arm}: {d} is not a peft adapter directory "
-                                    "(no adapter_config.json)")
-            found[arm] = Path(d)
-        ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under {adapter_root}/adapters/"
-                              f"{label}/ for objectives {tr['forward_objectives']} folds {tr['forward_folds']}; "
-                              "run 04 first (finetune.enabled) for forward transfer")
-        for arm, path in found.items():
-            t1 = time.time()
-            agen = models.load_generator(model, adapter=path, **gen_kw)
-            try:
-                gen_label = (f"{label}__{arm.replace('_fold', '__fold')}" if arm not in tr["extra_adapters"]
-                             else f"{label}__extra__{arm}")
-                treated = run_arm(agen, gen_label, arm, episodes, run_dir)
-            finally:
-                finetune.close_generator(agen)
-            _write(out_dir / model / f"scored_{arm}.jsonl", treated)
-            rates_t = arm_rates(treated, mem, forms, frames, n_boot, 0, alpha)
-            ms["arms"][arm] = {"rates": rates_t, "adapter": str(path)}
-            deltas = arm_deltas(treated, base, mem, forms, frames, arm, n_boot, n_perm, 0)
-            ms["forward"][arm] = {
-                "adapter": str(path), "deltas": deltas,
-                "closed_book_band": band_check(deltas["closed_book_acc"]["pooled"]["delta"], tr["closed_book_band"]),
-                "unmatched_gap": unmatched_gaps(rates_t, rates_b, frames, tr["unmatched_gap"])}
-            timing[f"{model}/{arm}"] = round(time.time() - t1, 1)
-        # 3. reverse: DPO on the external set only, evaluated on MemToC
-        if tr["reverse"]:
-            t1 = time.time()
-            ms["reverse"] = {**reverse(P, tr, ft, cf, bench, model, rq, r_eps, memory, r_base, gen_kw, progress),
-                             "eval_selection": r_sel}
-            timing[f"{model}/reverse"] = round(time.time() - t1, 1)
-        summary["models"][model] = ms
+    bench = load_benchmark(cfg.release_dir) if tr.reverse else None
+    for model in tr.models:
+        summary["models"][model] = run_model(cfg, model, episodes, cf, un, bench, timing, progress)
     timing["total"] = round(time.time() - t0, 1)
-    write_summary(summary, run_dir)
+    write_summary(summary, cfg.run_dir)
     return summary
 
 
-def reverse_eval_questions(bench, P: dict[str, Any], tr: dict[str, Any], label: str) -> tuple[list[Question], str]:
-    """The MemToC questions the reverse adapter is scored on: ``reverse_eval_questions`` of the run's
-    headline selection, those the untreated model answers correctly closed-book in some formulation
-    (notebook 02's file, when present) first, so that retention (arb cell) has units at small sizes.
-    Both arms are scored on the same questions, so the comparison stays paired; the population is
-    stated in ``eval_selection``."""
-    sel = select_questions(bench.analysis, P["n_questions"], P.get("seed", DEFAULTS["seed"]))
-    n = tr["reverse_eval_questions"]
+def run_model(cfg: RunConfig, model: str, episodes, cf, un, bench, timing: dict[str, float],
+              progress: bool = True) -> dict[str, Any]:
+    """``/models/<model>`` of the summary: the untreated arm, the forward arms, the reverse adapter."""
+    tr, run_dir, gen_kw = cfg.transfer, cfg.run_dir, _gen_kwargs(cfg)
+    forms, frames = tr.formulations, tr.frames
+    ms: dict[str, Any] = {"arms": {}, "forward": {}}
+    # 1. untreated: transfer episodes (+ MemToC held-out episodes for the reverse comparison)
+    t1 = time.time()
+    gen = models.load_generator(model, **gen_kw)
     try:
-        mem = elicitation.load_memory(P["run_dir"], label, P.get("closed_book_variant", DEFAULTS["closed_book_variant"]))
+        base = run_arm(gen, model, "untreated", episodes, run_dir)
+        if tr.reverse:
+            rq, r_sel = reverse_eval_questions(bench, cfg, model)
+            r_eps = finetune.eval_episodes(rq, list(cfg.formulations), cfg.finetune.eval_conditions)
+            memory = evaluation.ensure_memory(gen, model, bench, r_eps, cfg)
+            r_base = finetune.score_with(gen, model, r_eps, memory, run_dir, cfg.matcher)
+    finally:
+        finetune.close_generator(gen)
+    timing[f"{model}/untreated"] = round(time.time() - t1, 1)
+    mem = memory_right(base)
+    _write(run_dir / "transfer" / model / "scored_untreated.jsonl", base)
+    ms["support"] = {"n_items": len(cf), "n_unanswerable": len(un),
+                     "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
+    rates_b = arm_rates(base, mem, forms, frames, cfg.n_boot, 0, cfg.alpha)
+    ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
+    # 2. forward: notebook 04's adapters
+    adapter_root = Path(tr.adapters_from) if tr.adapters_from else run_dir
+    found = find_adapters(adapter_root, model, tr.forward_objectives, tr.forward_folds)
+    for arm, d in tr.extra_adapters.items():
+        if not (Path(d) / "adapter_config.json").is_file():
+            raise TransferError(f"transfer.extra_adapters.{arm}: {d} is not a peft adapter directory "
+                                "(no adapter_config.json)")
+        found[arm] = Path(d)
+    ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under {adapter_root}/adapters/"
+                          f"{model}/ for objectives {list(tr.forward_objectives)} folds {list(tr.forward_folds)}; "
+                          "run 04 first (finetune.enabled) for forward transfer")
+    for arm, path in found.items():
+        t1 = time.time()
+        ms["arms"][arm], ms["forward"][arm] = forward_arm(cfg, model, arm, path, episodes, mem, base, rates_b)
+        timing[f"{model}/{arm}"] = round(time.time() - t1, 1)
+    # 3. reverse: DPO on the external set only, evaluated on MemToC
+    if tr.reverse:
+        t1 = time.time()
+        ms["reverse"] = {**reverse(cfg, cf, bench, model, rq, r_eps, memory, r_base, gen_kw, progress),
+                         "eval_selection": r_sel}
+        timing[f"{model}/reverse"] = round(time.time() - t1, 1)
+    return ms
+
+
+def forward_arm(cfg: RunConfig, model: str, arm: str, path: Path, episodes, mem: set, base: pd.DataFrame,
+                rates_b: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``arms/<arm>``, ``forward/<arm>``) of one adapter on the transfer episodes."""
+    tr = cfg.transfer
+    agen = models.load_generator(model, adapter=path, **_gen_kwargs(cfg))
+    try:
+        gen_label = (f"{model}__{arm.replace('_fold', '__fold')}" if arm not in tr.extra_adapters
+                     else f"{model}__extra__{arm}")
+        treated = run_arm(agen, gen_label, arm, episodes, cfg.run_dir)
+    finally:
+        finetune.close_generator(agen)
+    _write(cfg.run_dir / "transfer" / model / f"scored_{arm}.jsonl", treated)
+    rates_t = arm_rates(treated, mem, tr.formulations, tr.frames, cfg.n_boot, 0, cfg.alpha)
+    deltas = arm_deltas(treated, base, mem, tr.formulations, tr.frames, arm, cfg.n_boot, cfg.n_perm, 0)
+    return {"rates": rates_t, "adapter": str(path)}, {
+        "adapter": str(path), "deltas": deltas,
+        "closed_book_band": band_check(deltas["closed_book_acc"]["pooled"]["delta"], tr.closed_book_band),
+        "unmatched_gap": unmatched_gaps(rates_t, rates_b, tr.frames, tr.unmatched_gap)}
+
+
+def reverse_eval_questions(bench, cfg: RunConfig, label: str) -> tuple[list[Question], str]:
+    """The MemToC questions the reverse adapter is scored on: ``transfer.reverse_eval_questions`` of
+    the run's headline selection, those the untreated model answers correctly closed-book in some
+    formulation (notebook 02's file, when present) first, so that retention (arb cell) has units at
+    small sizes. Both arms are scored on the same questions, so the comparison stays paired; the
+    population is stated in ``eval_selection``."""
+    sel = select_questions(bench.analysis, cfg.n_questions, cfg.seed)
+    n = cfg.transfer.reverse_eval_questions
+    try:
+        mem = elicitation.load_memory(cfg.run_dir, label, cfg.closed_book_variant)
     except MemtocError:
         return sel[:n], "the first questions of the run's headline selection (no closed-book file of notebook 02)"
     right = set(mem.loc[mem["memory_correct"].astype(object).eq(True), "qkey"])
@@ -557,30 +478,30 @@ def reverse_eval_questions(bench, P: dict[str, Any], tr: dict[str, Any], label: 
                        f"{k} of {n} answered correctly closed-book in some formulation")
 
 
-def reverse(P, tr, ft, cf_items, bench, model, r_questions, r_eps, memory, r_base, gen_kw,
+def reverse(cfg: RunConfig, cf_items, bench, model, r_questions, r_eps, memory, r_base, gen_kw,
             progress=True) -> dict[str, Any]:
     """Train the reverse-transfer DPO adapter (resumed when finished) and compare it with the untreated
     model on the MemToC held-out episodes ``r_eps`` of ``r_questions`` as notebook 04 compares its
     adapters (``finetune.evaluate_adapter``): the adapter scored against its *own* forced closed-book
     answers, the untreated model (``r_base``) against its own (``memory``), ``finetune.paired_deltas``
     on the case-stable common support (``n_treated_only`` / ``n_untreated_only``), and both
-    closed-book counts (``closed_book``, ``finetune.closed_book_counts``)."""
-    run_dir = Path(P["run_dir"])
-    examples = reverse_examples(cf_items, tr["reverse_train_formulations"], tr["frames"])
+    closed-book counts (``closed_book``, ``finetune.closed_book_counts``). The adapter trains with the
+    run's ``finetune`` settings but ``transfer.reverse_max_steps`` / ``reverse_batch_size``."""
+    tr, run_dir = cfg.transfer, cfg.run_dir
+    examples = reverse_examples(cf_items, tr.reverse_train_formulations, tr.frames)
     leak = check_no_memtoc_leak(examples, bench.questions)
-    rft = {**ft, "max_steps": tr["reverse_max_steps"], "batch_size": tr["reverse_batch_size"]}
+    rft = dataclasses.replace(cfg.finetune, max_steps=tr.reverse_max_steps, batch_size=tr.reverse_batch_size)
     spec = models.get_model(model)
-    base_path = models.prepare_model(model, cache_dir=P.get("model_cache_dir"))
+    base_path = models.prepare_model(model, cache_dir=cfg.model_cache_dir)
     path = run_dir / "adapters" / model / REVERSE_OBJECTIVE / "external"
     if progress:
         print(f"[transfer] {model} reverse DPO: {len(examples)} external pairs -> {path}")
     rec = finetune.train_adapter(base_path, spec, examples, "dpo", rft, path, progress=progress)
     forms = [f for f in FORMULATIONS if any(e.formulation == f for e in r_eps)]
     treated, own = finetune.evaluate_adapter(model, path, f"{model}__{REVERSE_OBJECTIVE}", r_questions, r_eps, forms,
-                                             run_dir, gen_kw, P.get("closed_book_variant", DEFAULTS["closed_book_variant"]),
-                                             P.get("matcher", DEFAULTS["matcher"]))
-    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=P.get("n_boot", DEFAULTS["n_boot"]),
-                                 n_perm=P.get("n_perm", DEFAULTS["n_perm"]), seed=0, alpha=P.get("alpha", DEFAULTS["alpha"]))
+                                             run_dir, gen_kw, cfg.closed_book_variant, cfg.matcher)
+    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=cfg.n_boot, n_perm=cfg.n_perm,
+                                 seed=0, alpha=cfg.alpha)
     res["closed_book"] = finetune.closed_book_counts(own, memory)
     return {"adapter": str(path), "leak_check": leak, "n_examples": len(examples),
             "eval_questions": len({e.qkey for e in r_eps}), "n_episodes": int(len(treated)),
@@ -604,7 +525,7 @@ def read_summary(run_dir) -> dict[str, Any]:
 
 
 # ==================================================================================================
-# the paper's numbers, tables and a figure (for the notebook)
+# the paper's numbers (tables and the figure: ``memtoc.transfer.tables``)
 
 def published_transfer(release_dir=None) -> Optional[dict[str, Any]]:
     """Table 6 and the reverse-transfer numbers from the release's published_probes_agent_transfer.json
@@ -620,104 +541,3 @@ def published_transfer(release_dir=None) -> Optional[dict[str, Any]]:
             "pools": t6.get("pools"), "closed_book_retention_band": t6.get("closed_book_retention_band"),
             "note": "the paper's models (Llama-3.1-8B-Instruct, gemma-2-9b-it) on FaithEval x ARC-Challenge: "
                     "a different model and different data from this run"}
-
-
-def published_table(summary: dict[str, Any]) -> pd.DataFrame:
-    """The paper's Table 6 (deltas with intervals) and reverse-transfer rows."""
-    pub = summary.get("published") or {}
-    rows = []
-    for a in pub.get("arms") or []:
-        for col in ("value_frame", "passage_frame", "abstention"):
-            c = a.get(col) or {}
-            rows.append({"source": "paper (different model and data)", "model": a["model"], "arm": a["method"],
-                         "metric": col, "delta": c.get("delta"), "ci95": c.get("ci95")})
-        rows.append({"source": "paper (different model and data)", "model": a["model"], "arm": a["method"],
-                     "metric": "closed_book_change", "delta": a.get("closed_book_retention_change"), "ci95": None})
-    for m, r in (pub.get("reverse_transfer") or {}).items():
-        if isinstance(r, dict) and "delta" in r:
-            rows.append({"source": "paper (different model and data)", "model": m, "arm": "reverse DPO",
-                         "metric": "MemToC retention", "delta": r["delta"], "ci95": r.get("ci95")})
-    return pd.DataFrame(rows)
-
-
-def rates_table(summary: dict[str, Any]) -> pd.DataFrame:
-    """Pooled rate of every metric per model × arm, with interval and n."""
-    rows = []
-    for model, ms in summary.get("models", {}).items():
-        for arm, a in ms.get("arms", {}).items():
-            for m, by in a["rates"].items():
-                r = by.get("pooled") or {}
-                ci = r.get("ci95") or [None, None]
-                rows.append({"model": model, "arm": arm, "metric": m, "value": r.get("value"),
-                             "ci_lo": ci[0], "ci_hi": ci[1], "n": r.get("n")})
-    return pd.DataFrame(rows)
-
-
-def forward_table(summary: dict[str, Any]) -> pd.DataFrame:
-    """Pooled forward deltas (adapter − untreated) per model × arm × metric."""
-    rows = []
-    for model, ms in summary.get("models", {}).items():
-        for arm, f in ms.get("forward", {}).items():
-            for m, by in f["deltas"].items():
-                c = by["pooled"]
-                ci = c.get("ci95") or [None, None]
-                rows.append({"model": model, "arm": arm, "metric": m, "untreated": c.get("untreated"),
-                             "treated": c.get("treated"), "delta": c.get("delta"), "ci_lo": ci[0], "ci_hi": ci[1],
-                             "p": c.get("p"), "p_holm": c.get("p_holm"), "n_units": c.get("n_units")})
-    return pd.DataFrame(rows)
-
-
-def reverse_table(summary: dict[str, Any]) -> pd.DataFrame:
-    """Reverse-transfer deltas on MemToC (finetune.delta_table layout)."""
-    wrapped = {"models": {m: {"objectives": {REVERSE_OBJECTIVE: ms["reverse"]}}
-                          for m, ms in summary.get("models", {}).items() if ms.get("reverse")}}
-    return finetune.delta_table(wrapped)
-
-
-def plot(summary: dict[str, Any], path) -> Path:
-    """Forward deltas (Table 6 metrics + closed-book change) and reverse deltas (MemToC pooled
-    headline metrics), 95% intervals."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fw = forward_table(summary)
-    rv = reverse_table(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, t, title, xcol in ((axes[0], fw[fw["metric"].isin(list(TABLE6_METRICS) + ["closed_book_acc"])] if len(fw) else fw,
-                                "forward: 04's adapters on the external set", "metric"),
-                               (axes[1], rv[rv["formulation"] == "pooled"] if len(rv) else rv,
-                                "reverse: external-set DPO on MemToC", "metric")):
-        if len(t):
-            groups = list(dict.fromkeys(t[xcol]))
-            arms = list(dict.fromkeys(t["arm"] if "arm" in t else t["objective"]))
-            for j, arm in enumerate(arms):
-                d = t[(t["arm"] if "arm" in t else t["objective"]) == arm]
-                for i, g in enumerate(groups):
-                    r = d[d[xcol] == g]
-                    if r.empty or r.iloc[0]["delta"] is None or pd.isna(r.iloc[0]["delta"]):
-                        continue
-                    r = r.iloc[0]
-                    x = i + (j - (len(arms) - 1) / 2) * 0.2
-                    lo = r["delta"] - r["ci_lo"] if pd.notna(r["ci_lo"]) else 0
-                    hi = r["ci_hi"] - r["delta"] if pd.notna(r["ci_hi"]) else 0
-                    first = arm not in ax.get_legend_handles_labels()[1]
-                    ax.errorbar(x, r["delta"], yerr=[[lo], [hi]], fmt="o", capsize=3, color=f"C{j}",
-                                label=arm if first else None)
-            ax.set_xticks(range(len(groups)))
-            ax.set_xticklabels(groups, rotation=25, ha="right")
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(frameon=False, fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes)
-        ax.axhline(0, color="grey", lw=0.8)
-        ax.set_title(title, fontsize=10)
-    axes[0].set_ylabel("adapter − untreated")
-    note = "built-in plumbing set: not a replication" if (summary.get("dataset") or {}).get("plumbing") else ""
-    fig.suptitle(f"Transfer (06){' — ' + note if note else ''}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -1,0 +1,114 @@
+"""The ``agent`` block (notebook 07; params/agent.yaml documents the paper-size run)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ..config import ordered_subset
+from ..vocab import FORMULATIONS
+from .base import Block, Fail, as_list, is_int
+
+CONDITIONS = ("tool_wrong", "tool_right", "tool_error")
+
+
+def _agent():
+    """(metrics, protocols, runtime, tools) of ``memtoc.agent`` (imported when first needed: they load
+    torch and transformers, and the agent package imports the run configuration)."""
+    from ..agent import metrics, protocols, runtime, tools
+    return metrics, protocols, runtime, tools
+
+
+def _protocols() -> tuple[str, ...]:
+    return tuple(_agent()[1].PROTOCOLS)
+
+
+def _slices() -> tuple[str, ...]:
+    return tuple(_agent()[0].SLICES)
+
+
+@dataclass(frozen=True)
+class AgentConfig(Block):
+    """Every key of the ``agent`` block with its default; ``resolve`` fills the run-dependent ones."""
+    BLOCK = "agent"
+
+    enabled: bool = True
+    models: Optional[tuple[str, ...]] = None   # None: the run's models
+    protocols: tuple[str, ...] = field(default_factory=_protocols)
+    slices: tuple[str, ...] = field(default_factory=_slices)
+    n_questions: Optional[int] = None          # first n of the run's stratified selection (None: n_questions;
+                                               # 0 with memory_right_questions: only the memory-right slice)
+    memory_right_questions: int = 0            # plus up to k more per model: questions of the run's headline
+                                               # selection whose forced closed-book answer (02's file, first agent
+                                               # formulation) is correct - the paper's slice, tiny on small models
+    formulations: Optional[tuple[str, ...]] = None   # None: the run's (base models: the run's base_formulations)
+    schema_variants: tuple[str, ...] = ("release", "typed")
+    condition: str = "tool_wrong"
+    max_calls: int = 1                         # the paper's a1/a2/o1: one call
+    max_tokens_per_call: int = 384             # the release's agentic client default
+    max_tokens_per_episode: int = 1536         # the release's agentic output-token budget
+    runtime: str = "transformers"              # transformers (in-process) | openai (any OpenAI-compatible server)
+    runtime_options: dict = field(default_factory=dict)   # transformers: device, dtype, batch_size, tool_format,
+                                               # ...; openai: base_url, api_key, served_model, server, ...
+    n_boot: Optional[int] = None               # None: the run's n_boot
+
+    @classmethod
+    def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "AgentConfig":
+        """The block of the validated run parameters ``run``, resolved and checked; errors name the
+        field (``agent.<key>``) and the fix."""
+        a = cls.section(run, source, see="params/agent.yaml")
+        fail = cls.failer(source)
+        if not isinstance(a["enabled"], bool):
+            fail("enabled", f"must be true or false, got {a['enabled']!r}")
+        _choices(a, run, fail)
+        _sizes(a, run, fail)
+        return cls.build(a)
+
+
+def _choices(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
+    metrics, protocols, runtime, tools = _agent()
+    run_models = list(run["models"])
+    a["models"] = run_models if a["models"] is None else as_list(a["models"])
+    if not isinstance(a["models"], list) or not a["models"] or any(m not in run_models for m in a["models"]):
+        fail("models", f"must be null (the run's models) or a non-empty list drawn from the run's models {run_models}")
+    for key, valid in (("protocols", protocols.PROTOCOLS), ("slices", metrics.SLICES),
+                       ("schema_variants", tools.SCHEMA_VARIANTS)):
+        got = ordered_subset(a[key], valid)
+        if got is None:
+            fail(key, f"must be a non-empty list drawn from {list(valid)}, got {a[key]!r}")
+        a[key] = got
+    forms = a["formulations"] if a["formulations"] is not None else list(run["formulations"])
+    got = ordered_subset(forms, FORMULATIONS)
+    if got is None:
+        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
+    a["formulations"] = got
+    if a["condition"] not in CONDITIONS:
+        fail("condition", f"must be one of {list(CONDITIONS)}, got {a['condition']!r}")
+    if a["runtime"] not in runtime.RUNTIMES:
+        fail("runtime", f"must be one of {list(runtime.RUNTIMES)}, got {a['runtime']!r}")
+    if not isinstance(a["runtime_options"], dict):
+        fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
+
+
+def _sizes(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
+    n = a["n_questions"]
+    if n is None:
+        a["n_questions"] = int(run["n_questions"])
+    elif not is_int(n) or n < 0:
+        fail("n_questions", f"must be null (the run's n_questions) or a non-negative integer, got {n!r}")
+    k = a["memory_right_questions"]
+    if not is_int(k) or k < 0:
+        fail("memory_right_questions", f"must be a non-negative integer, got {k!r}")
+    if a["n_questions"] + k < 1:
+        fail("n_questions", "and memory_right_questions are both 0: no question to run (n_questions 0 with "
+                            "memory_right_questions k runs only the paper's memory-right slice)")
+    for key in ("max_calls", "max_tokens_per_call", "max_tokens_per_episode"):
+        v = a[key]
+        if not is_int(v) or v < 1:
+            fail(key, f"must be a positive integer, got {v!r}")
+    if a["max_tokens_per_episode"] < a["max_tokens_per_call"]:
+        fail("max_tokens_per_episode", f"must be at least max_tokens_per_call ({a['max_tokens_per_call']})")
+    nb = a["n_boot"]
+    if nb is None:
+        a["n_boot"] = int(run["n_boot"])
+    elif not is_int(nb) or nb < 1:
+        fail("n_boot", f"must be null (the run's n_boot) or a positive integer, got {nb!r}")

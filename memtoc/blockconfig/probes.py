@@ -1,0 +1,99 @@
+"""The ``probes`` block (notebook 05): the default run's small slice (params/default.yaml: measured
+cost; params/probes.yaml: the documented full sizes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .base import Block, is_num
+
+PER_MODEL = ("bands", "lens_files", "sae_layers", "sae_files")   # mappings keyed by model name
+
+
+def _probes():
+    """(corpus, sae, steering) of ``memtoc.probes`` (imported when first needed: they load torch, and
+    the probes package imports the run configuration, which imports this module)."""
+    from ..probes import corpus, sae, steering
+    return corpus, sae, steering
+
+
+def _corpus() -> str:
+    return _probes()[0].BUILTIN
+
+
+def _fvu_gate() -> float:
+    return _probes()[1].FVU_GATE
+
+
+def _directions() -> tuple[str, ...]:
+    return tuple(_probes()[2].DIRECTIONS)
+
+
+def _positions() -> tuple[str, ...]:
+    return tuple(_probes()[2].POSITIONS)
+
+
+@dataclass(frozen=True)
+class ProbesConfig(Block):
+    """Every key of the ``probes`` block with its default."""
+    BLOCK = "probes"
+
+    enabled: bool = True
+    corpus: str = field(default_factory=_corpus)   # builtin (pydoc_data.topics) or a UTF-8 text file
+    # Jacobian lens
+    bands: dict = field(default_factory=dict)      # {model: [lo, hi]} inclusive source layers; default: the top
+                                                   # default_band_layers
+    default_band_layers: int = 4
+    lens_files: dict = field(default_factory=dict)  # {model: lens.pt} a published or earlier lens; else fitted
+    lens_fit_prompts: int = 1                      # fit-corpus documents (exact estimator; cost: params/probes.yaml)
+    lens_max_seq_len: int = 24
+    lens_skip_first: int = 4                       # transformer-lens's default is 16 with 128-token prompts
+    lens_dim_batch: int = 128
+    heldout_texts: int = 2                         # lens quality and spliced loss: held-out corpus documents
+    heldout_max_seq_len: int = 32
+    lens_formulations: tuple[str, ...] = ("reference",)
+    lens_max_episodes: int = 6                     # per set and split (the paper: all of its arbitration episodes)
+    n_control: int = 5                             # other questions' answers per prompt
+    # SAE
+    sae_layers: dict = field(default_factory=dict)  # {model: [layers]}; default: the band's middle layer
+    sae_files: dict = field(default_factory=dict)   # {model: {layer: dir}} pretrained dictionaries (sae-lens layout)
+    dictionaries: dict = field(default_factory=dict)   # {model: {release, sae_id, layer}} the paper's public
+                                                   # dictionaries (recorded; used when a local topk copy is named in
+                                                   # sae_files, else one is trained)
+    sae_expansion: int = 4
+    sae_k: int = 16
+    sae_steps: int = 150
+    sae_batch: int = 256
+    sae_lr: float = 1.0e-3
+    sae_prompts: int = 8                           # run episode prompts (full sequences) for training
+    sae_corpus_texts: int = 2                      # plus generic documents
+    sae_max_seq_len: int = 128
+    sae_heldout_prompts: int = 3                   # held-out episode prompts: FVU gate, spliced loss
+    fvu_gate: float = field(default_factory=_fvu_gate)
+    # mining and steering
+    mine_fold: int = 0
+    mine_per_label: int = 6                        # mining episodes per label (kept memory / followed tool)
+    top_features: int = 8
+    steer_per_direction: int = 2                   # the paper: 40 per direction
+    strengths: tuple[float, ...] = (12,)           # the paper: 1-12
+    directions: tuple[str, ...] = field(default_factory=_directions)
+    positions: tuple[str, ...] = field(default_factory=_positions)
+    steer_formulations: tuple[str, ...] = ("reference",)
+
+    @classmethod
+    def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "ProbesConfig":
+        """The block of the run parameters ``run``, checked (errors name ``probes.<key>``)."""
+        pr = cls.section(run, source, see="params/probes.yaml")
+        fail = cls.failer(source)
+        _, _, steering = _probes()
+        for key, valid in (("directions", steering.DIRECTIONS), ("positions", steering.POSITIONS)):
+            bad = [v for v in pr[key] if v not in valid] if isinstance(pr[key], list) else [pr[key]]
+            if bad:
+                fail(key, f"unknown value(s) {bad}; valid: {', '.join(valid)}")
+        if not isinstance(pr["strengths"], list) or not pr["strengths"] \
+                or any(not is_num(s) or s <= 0 for s in pr["strengths"]):
+            fail("strengths", "must be a list of positive numbers (0 is the baseline, always run)")
+        for key in PER_MODEL:
+            if not isinstance(pr[key], dict):
+                fail(key, "must be a mapping keyed by model name")
+        return cls.build(pr)

@@ -1,0 +1,135 @@
+"""The ``transfer`` block (notebook 06)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from ..config import ordered_subset
+from ..vocab import FORMULATIONS
+from .base import Block, Fail, as_list, is_int
+from .finetune import OBJECTIVES
+
+CLOSED_BOOK_BAND = 0.03     # the paper's pre-registered band on the closed-book accuracy change
+
+
+def _data():
+    """``memtoc.transfer.data`` (imported when first needed: the transfer package imports the run
+    configuration, which imports this module)."""
+    from ..transfer import data
+    return data
+
+
+def _frames() -> tuple[str, ...]:
+    return tuple(_data().POOLS)
+
+
+def _builtin() -> str:
+    return _data().BUILTIN
+
+
+def _unmatched_gap() -> float:
+    from ..transfer import matcher
+    return matcher.UNMATCHED_GAP
+
+
+@dataclass(frozen=True)
+class TransferConfig(Block):
+    """Every key of the ``transfer`` block with its default (params/*.yaml override)."""
+    BLOCK = "transfer"
+
+    enabled: bool = True
+    dataset: str = field(default_factory=_builtin)   # "builtin" (the plumbing set) or a path to a validated JSONL
+    n_counterfactual: Optional[int] = None     # first n counterfactual items (None: all)
+    n_unanswerable: Optional[int] = None       # first n unanswerable items (None: all)
+    verified_only: bool = False                # keep only rows with verified: true (the paper's human-verified pools)
+    formulations: Optional[tuple[str, ...]] = None   # None: the run's formulations
+    models: Optional[tuple[str, ...]] = None   # None: notebook 04's models (finetune.models: the run's instruction-
+                                               # tuned models, as the paper's Table 6); else a list of the run's models
+    frames: tuple[str, ...] = field(default_factory=_frames)
+    forward_objectives: tuple[str, ...] = OBJECTIVES
+    forward_folds: tuple[int, ...] = (0,)      # which of notebook 04's fold adapters to read (any: none saw this set)
+    adapters_from: Optional[str] = None        # None: this run's adapters/; else another run directory
+    extra_adapters: dict = field(default_factory=dict)   # {arm name: peft adapter dir}, e.g. adapters trained on
+                                               # the full 575 pool
+    reverse: bool = True                       # train and evaluate the reverse-transfer adapter
+    reverse_max_steps: int = 2                 # optimizer steps of the reverse DPO (-1: one epoch)
+    reverse_batch_size: int = 2
+    reverse_train_formulations: tuple[str, ...] = ("reference",)
+    reverse_eval_questions: int = 8            # MemToC analysis questions the reverse adapter is scored on
+    closed_book_band: float = CLOSED_BOOK_BAND
+    unmatched_gap: float = field(default_factory=_unmatched_gap)
+
+    @classmethod
+    def resolve(cls, run: Mapping[str, Any], finetune_models: Sequence[str],
+                source: str = "<params>") -> "TransferConfig":
+        """The block of the validated run parameters ``run`` (``finetune_models``: notebook 04's
+        models, the default of ``models``), resolved and checked."""
+        t = cls.section(run, source)
+        fail = cls.failer(source)
+        for key in ("enabled", "verified_only", "reverse"):
+            if not isinstance(t[key], bool):
+                fail(key, f"must be true or false, got {t[key]!r}")
+        if not isinstance(t["dataset"], str) or not t["dataset"]:
+            fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
+        for key in ("n_counterfactual", "n_unanswerable"):
+            v = t[key]
+            if v is not None and (not is_int(v) or v < 0):
+                fail(key, f"must be null (all) or a non-negative integer, got {v!r}")
+        _selection(t, run, finetune_models, fail)
+        _forward(t, fail)
+        _reverse(t, fail)
+        return cls.build(t)
+
+
+def _selection(t: dict, run: Mapping[str, Any], finetune_models: Sequence[str], fail: Fail) -> None:
+    forms = ordered_subset(t["formulations"] if t["formulations"] is not None else list(run["formulations"]),
+                           FORMULATIONS)
+    if forms is None:
+        fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
+    t["formulations"] = forms
+    run_models = list(run["models"])
+    if t["models"] is None:
+        t["models"] = [m for m in finetune_models if m in run_models]
+    t["models"] = as_list(t["models"])
+    if not isinstance(t["models"], list) or any(m not in run_models for m in t["models"]):
+        fail("models", f"must be null (notebook 04's models) or a list drawn from the run's models {run_models}")
+    frames = _frames()
+    if not isinstance(t["frames"], list) or not t["frames"] or any(f not in frames for f in t["frames"]):
+        fail("frames", f"must be a non-empty list drawn from {list(frames)}")
+    t["frames"] = [f for f in frames if f in t["frames"]]
+
+
+def _forward(t: dict, fail: Fail) -> None:
+    objs = t["forward_objectives"]
+    if not isinstance(objs, list) or any(o not in OBJECTIVES for o in objs):
+        fail("forward_objectives", f"must be a list drawn from {list(OBJECTIVES)} (empty: no forward arms)")
+    folds = t["forward_folds"]
+    if not isinstance(folds, list) or any(k not in (0, 1) or isinstance(k, bool) for k in folds):
+        fail("forward_folds", "must be a list drawn from [0, 1]")
+    if t["adapters_from"] is not None and not isinstance(t["adapters_from"], str):
+        fail("adapters_from", "must be null (this run) or a run directory")
+    ea = t["extra_adapters"]
+    if ea is None:
+        t["extra_adapters"] = ea = {}
+    if not isinstance(ea, dict) or not all(isinstance(k, str) and k and k != "untreated" and "/" not in k
+                                           and isinstance(v, str) and v for k, v in ea.items()):
+        fail("extra_adapters", "must be a mapping {arm name: adapter directory} (names other than 'untreated', "
+                               "without '/')")
+
+
+def _reverse(t: dict, fail: Fail) -> None:
+    ms = t["reverse_max_steps"]
+    if not is_int(ms) or ms == 0 or ms < -1:
+        fail("reverse_max_steps", f"must be -1 (one epoch) or a positive integer, got {ms!r}")
+    for key in ("reverse_batch_size", "reverse_eval_questions"):
+        v = t[key]
+        if not is_int(v) or v < 1:
+            fail(key, f"must be a positive integer, got {v!r}")
+    rf = ordered_subset(t["reverse_train_formulations"], FORMULATIONS)
+    if rf is None:
+        fail("reverse_train_formulations", f"must be a non-empty list drawn from {list(FORMULATIONS)}")
+    t["reverse_train_formulations"] = rf
+    for key in ("closed_book_band", "unmatched_gap"):
+        v = t[key]
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 <= v < 1):
+            fail(key, f"must be a number in [0, 1), got {v!r}")

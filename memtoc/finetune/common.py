@@ -1,0 +1,60 @@
+"""Shared pieces of the fine-tuning stage: its error, constants, the adapter layout and the
+summary files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..blockconfig import EVAL_CONDITIONS, OBJECTIVES
+from ..config import MemtocError
+from ..io import write_json
+from ..vocab import CONFLICT_CONDITIONS, HEADLINE_METRICS
+
+SCHEMA_VERSION = 2
+TRAIN_CONDITIONS = CONFLICT_CONDITIONS            # the DPO/SFT pairs: tool_right, tool_wrong
+METRICS = HEADLINE_METRICS
+
+#: Generator options that mean the same on every backend (carried from a vLLM / openai run's
+#: backend_options to 04's transformers generators).
+SHARED_BACKEND_OPTIONS = ("stop_at_final",)
+
+__all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED_BACKEND_OPTIONS",
+           "TRAIN_CONDITIONS", "FinetuneError", "adapter_dir", "close_generator", "read_stage_summary",
+           "read_summary", "write_stage_summary", "write_summary"]
+
+
+class FinetuneError(MemtocError):
+    """Fine-tuning inputs are inconsistent (a leaking plan, no training data, a bad adapter dir)."""
+
+
+def adapter_dir(run_dir, model_label: str, objective: str, fold: int) -> Path:
+    return Path(run_dir) / "adapters" / model_label / objective / f"fold{fold}"
+
+
+def close_generator(gen) -> None:
+    """Release a generator that holds resources (``close()``, when it has one)."""
+    close = getattr(gen, "close", None)
+    if callable(close):
+        close()
+
+
+def write_stage_summary(summary: dict[str, Any], run_dir, name: str) -> Path:
+    """Write ``summaries/<name>`` atomically (JSON-safe values, ``io.plain``)."""
+    return write_json(Path(run_dir) / "summaries" / name, summary, indent=1, newline=False)
+
+
+def read_stage_summary(run_dir, name: str, notebook: str, error: type[MemtocError] = None) -> dict[str, Any]:
+    """``summaries/<name>``; ``error`` (default :class:`FinetuneError`) names ``notebook`` when it is absent."""
+    path = Path(run_dir) / "summaries" / name
+    if not path.is_file():
+        raise (error or FinetuneError)(f"{path} does not exist; run notebook {notebook} first")
+    return json.loads(path.read_text())
+
+
+def write_summary(summary: dict[str, Any], run_dir) -> Path:
+    return write_stage_summary(summary, run_dir, "finetuning.json")
+
+
+def read_summary(run_dir) -> dict[str, Any]:
+    return read_stage_summary(run_dir, "finetuning.json", "04_finetuning")
