@@ -5,6 +5,7 @@ reverse transfer. ``data`` (format, validation, import, the built-in plumbing se
 
     memtoc transfer validate FILE
     memtoc transfer import --counterfactual CF --arc ARC [--unanswerable UN] -o OUT.jsonl
+    memtoc transfer import --hub [--cache-dir DIR] [--revision ROLE=REV ...] -o OUT.jsonl   # or --from-dir DIR
     memtoc transfer score IN.jsonl -o OUT.jsonl
     memtoc transfer builtin [-o OUT.jsonl]          # path of (or a copy of) the built-in set
 """
@@ -19,6 +20,7 @@ from .core import (METRICS, TransferConfig, TransferEpisode, TransferError, buil
                    metric_units, read_summary, reverse_examples, run, score_replies, select_items, transfer_params)
 from .data import (PLUMBING_NOTE, TransferDataError, TransferItem, builtin_path, import_faitheval, load_items,
                    validate_file, validate_lines, write_items)
+from .hub import HUB_SOURCES, add_hub_arguments, import_hub, import_hub_cli
 from .matcher import ABSTAIN, ChoiceMatch, match_choice, score_cli, score_lines, score_record
 from .tables import forward_table, plot, published_table, rates_table, reverse_table
 
@@ -50,9 +52,12 @@ def _import_cli(argv: list[str]) -> int:
     ap.add_argument("--unanswerable", help="FaithEval-unanswerable file (qid/id, question, context, answers)")
     ap.add_argument("--verified-ids", help="optional text file: ids of human-verified rows, one a line")
     ap.add_argument("-o", "--output", required=True)
+    add_hub_arguments(ap)
     a = ap.parse_args(argv)
+    if a.hub or a.from_dir:
+        return import_hub_cli(a)
     if not a.counterfactual and not a.unanswerable:
-        raise TransferDataError("give --counterfactual (with --arc) and/or --unanswerable")
+        raise TransferDataError("give --counterfactual (with --arc) and/or --unanswerable, or --hub / --from-dir DIR")
     ver = []
     if a.verified_ids:
         with open(a.verified_ids, encoding="utf-8") as fh:
