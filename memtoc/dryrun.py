@@ -30,12 +30,14 @@ The estimates are simple formulas with stated constants (assumptions, not measur
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from . import finetune, models
+from . import finetune, models, stages
 from .agent import core as agent_core
 from .config import ConfigError
 from .episodes import run_episodes
+from .gpuenv import gpu_needs
 from .pipeline import plan, preflight, resolve_paths
 from .runconfig import RunConfig
 from .transfer import core as transfer
@@ -49,7 +51,10 @@ ACT_GB_PER_TOKEN_PER_B = 0.0004         # activations per token per billion para
                                         # Llama-3.1-8B, batch 8, 512 tokens, no checkpointing (issue 18's
                                         # review estimate: 40-46 GB); not measured here
 GPU_CLASSES_GB = (24, 40, 48, 80)       # common single GPUs; beyond 80 GB one GPU does not suffice
-GEN_NEW_TOKEN_SHARE = 0.5
+GEN_NEW_TOKEN_SHARE = 0.5              # a chat model's mean reply, as a share of max_new_tokens (assumed)
+BASE_LINE_TOKENS = 16                  # a base model's first line (measured on gemma-3-270m: ~16 new tokens)
+PROMPT_TOKENS = 190                    # a with-tool prompt (measured: ~190 tokens)
+STEER_SECONDS_PER_REPLY_8B = 2.0       # one steered greedy reply at batch 1 on an 8B model (assumed)
 KV_CACHE_GB = 16.0
 
 
@@ -86,11 +91,14 @@ def estimate_model(spec: models.ModelSpec, backend: str, dtype: str, options: di
     return {"weights_gb": w, "gpu_gb": need, "gpu_class": _gpu_class(need), "quant": quant}
 
 
-def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_new_tokens: int) -> Optional[float]:
+def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_new_tokens: int,
+                new_tokens: Optional[float] = None) -> Optional[float]:
+    """Generation time of ``n_requests`` replies of ``new_tokens`` each (default: the chat share of
+    ``max_new_tokens``)."""
     if weights_gb is None or backend not in GEN_TOKENS_PER_S_8B_BF16:
         return None
     rate = GEN_TOKENS_PER_S_8B_BF16[backend] * 16.0 / weights_gb
-    return n_requests * GEN_NEW_TOKEN_SHARE * max_new_tokens / rate
+    return n_requests * (GEN_NEW_TOKEN_SHARE * max_new_tokens if new_tokens is None else new_tokens) / rate
 
 
 def finetune_requests(P: dict[str, Any], ft: dict[str, Any], bench) -> dict[str, int]:
@@ -161,36 +169,233 @@ def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) ->
     return [e]
 
 
-def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> str:
-    """The plan as text; raises ConfigError (one line) for what cannot run."""
-    params = resolve_paths(params)
-    steps = plan(params, only)
-    facts = preflight(params, steps, source)
-    bench, ft = facts["bench"], facts["finetune"]
-    P = dict(params)
-    episodes = run_episodes(bench, P)
+@dataclass
+class StagePlan:
+    """The dry run's estimate for one stage (``memtoc run --dry-run --json``: one object per stage)."""
+
+    stage: str
+    enabled: bool
+    reason: str = ""
+    device: str = "none"             # cuda | cpu | server | none (no model)
+    backend: Optional[str] = None
+    data: str = ""
+    requests: Optional[int] = None   # over the run's models
+    seconds: Optional[float] = None  # None: not estimated
+    gpu_gb: Optional[float] = None
+    per_model: list = field(default_factory=list)
+    lines: list = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("lines")
+        return d
+
+
+@dataclass
+class Context:
+    """What the estimators share: the parameters, the data, the models and their memory."""
+
+    params: dict[str, Any]
+    bench: Any
+    ft: Any
+    specs: list
+    est: dict
+    device: str
+    ft_on: bool
+    n02: int
+    n03: int
+    n_forms: int
+    variants: int
+
+
+def new_tokens(spec: models.ModelSpec, backend: str, params: dict[str, Any], max_new_tokens: int) -> float:
+    """Expected new tokens per request: a base model's first line (~16 tokens) where the backend stops
+    there while decoding (transformers), its whole budget on vLLM and OpenAI servers (the line is cut
+    after generation); a chat model ``GEN_NEW_TOKEN_SHARE`` of its budget."""
+    if not spec.chat:
+        return min(max_new_tokens, BASE_LINE_TOKENS) if backend == "transformers" else max_new_tokens
+    return GEN_NEW_TOKEN_SHARE * max_new_tokens
+
+
+def gen_time(ctx: Context, spec, n: int, backend: Optional[str] = None, max_new_tokens: Optional[int] = None):
+    backend = backend or ctx.params["backend"]
+    mnt = max_new_tokens or ctx.params["max_new_tokens"]
+    return gen_seconds(n, ctx.est[spec.name]["weights_gb"], backend, mnt,
+                       new_tokens(spec, backend, ctx.params, mnt))
+
+
+def _per_model(plan: StagePlan, ctx: Context, rows: list[tuple[Any, int, Optional[float], str]]) -> StagePlan:
+    """Fill ``plan`` from ``(spec, requests, seconds or None, what)`` rows."""
+    total, known = 0.0, True
+    for spec, n, secs, what in rows:
+        plan.per_model.append({"model": spec.name, "requests": n, "seconds": secs})
+        if secs is None:
+            known = False
+            plan.lines.append(f"      {spec.name:<28} {what + ', ' if what else ''}time unknown ({plan.backend})")
+        else:
+            total += secs
+            plan.lines.append(f"      {spec.name:<28} {what + ' ' if what else ''}~{_dur(secs)}")
+    plan.requests = sum(n for _, n, _, _ in rows)
+    plan.seconds = total if known and rows else (None if rows else 0.0)
+    return plan
+
+
+def estimate_elicitation(ctx: Context, step) -> StagePlan:
+    p = ctx.params
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
+                     data=f"{p['n_questions']} questions x {ctx.n_forms} formulations x {ctx.variants} variant(s)")
+    plan.lines.append(f"  {step.name:<18} {ctx.n02} requests per model (closed-book: {plan.data})")
+    return _per_model(plan, ctx, [(s, ctx.n02, gen_time(ctx, s, ctx.n02), "") for s in ctx.specs])
+
+
+def estimate_evaluation(ctx: Context, step) -> StagePlan:
+    p = ctx.params
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
+                     data="with-tool episodes (core conditions + extra arms), closed-book served by 02")
+    plan.lines.append(f"  {step.name:<18} {ctx.n03} requests per model ({plan.data})")
+    _per_model(plan, ctx, [(s, ctx.n03, gen_time(ctx, s, ctx.n03), "") for s in ctx.specs])
+    if p.get("judge"):
+        plan.lines.append(f"      judged layer: about {ctx.n03} judge requests per model with {p['judge']['model']}")
+    return plan
+
+
+def estimate_finetuning(ctx: Context, step) -> StagePlan:
+    ft, p = ctx.ft, ctx.params
+    fr = finetune_requests(p, ft, ctx.bench)
+    n_eval, n_train = fr["with_tool"] + fr["adapter_closed_book"], fr["train_examples"]
+    plan = StagePlan(step.name, True, device=ctx.device, backend="transformers",
+                     data=f"{fr['adapters']} adapters ({', '.join(ft['objectives'])} x folds {list(ft['folds'])}), "
+                          f"{n_train} training examples")
+    plan.lines.append(f"  {step.name:<18} {fr['adapters']} adapter(s) per fine-tuned model ({', '.join(ft['objectives'])} "
+                      f"x folds {list(ft['folds'])}), {n_train} training examples over the folds; {n_eval} evaluation "
+                      f"requests per model ({fr['with_tool']} with-tool, untreated + adapters; "
+                      f"{fr['adapter_closed_book']} the adapters' own closed-book)")
+    ft_specs = [spec for spec in ctx.specs if spec.name in ft["models"]]
+    if not ft_specs:
+        plan.lines.append("      no fine-tuned models (finetune.models)")
+    rows = []
+    for spec in ft_specs:
+        if ctx.est[spec.name]["weights_gb"] is None:
+            rows.append((spec, n_eval, None, ""))
+            continue
+        pb = spec.params_b
+        tokens = n_train * ft["epochs"] * TRAIN_TOKENS_PER_EXAMPLE
+        t_train = sum(tokens * (6 if o == "sft" else 16) * pb * 1e9 for o in ft["objectives"]) / (GPU_TFLOPS * 1e12 * MFU)
+        t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", p["max_new_tokens"],
+                             new_tokens(spec, "transformers", p, p["max_new_tokens"])) or 0.0
+        act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb / (4 if ft["gradient_checkpointing"] else 1)
+        mem = pb * 2.0 + act
+        cls = _gpu_class(mem)
+        plan.gpu_gb = max(plan.gpu_gb or 0.0, mem)
+        rows.append((spec, n_eval, t_train + t_eval,
+                     f"training ~{_dur(t_train)}, evaluation ~{_dur(t_eval)} (transformers); DPO memory ~{mem:.0f} GB -> "
+                     + (f"{cls} GB GPU;" if cls else "more than one 80 GB GPU: enable finetune.gradient_checkpointing "
+                        "or lower finetune.batch_size;")))
+    return _per_model(plan, ctx, rows)
+
+
+def _d_model(params_b: float) -> float:
+    """A dense decoder's width from its size: parameters ~ 12 x layers x d^2 with ~32 layers."""
+    return math.sqrt(params_b * 1e9 / (12 * 32))
+
+
+def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
+    """05 on one model (the module's formulas): the exact lens fit (one backward pass per residual
+    coordinate over the fit prompts), the read-outs, the SAE activations and training, the steering
+    replies; float32 at ``GPU_TFLOPS`` x ``MFU`` (TF32 products)."""
+    if spec.params_b is None:
+        return None
+    n, d = spec.params_b * 1e9, _d_model(spec.params_b)
+    rate = GPU_TFLOPS * 1e12 * MFU
+    fit = pr.lens_fit_prompts * d * 6 * n * pr.lens_max_seq_len / rate
+    reads = n_episodes * 2 * n * PROMPT_TOKENS / rate
+    sae = (pr.sae_prompts * PROMPT_TOKENS * 2 * n + pr.sae_steps * pr.sae_batch * 6 * d * d * pr.sae_expansion) / rate
+    replies = 2 * pr.steer_per_direction * (1 + len(pr.positions) * len(pr.strengths))
+    steer = replies * STEER_SECONDS_PER_REPLY_8B * spec.params_b / 8.0
+    return fit + reads + sae + steer
+
+
+def estimate_probes(ctx: Context, step) -> StagePlan:
+    pr = RunConfig.of(ctx.params).probes
+    plan = StagePlan(step.name, True, device=ctx.device, backend="transformers (float32)",
+                     data=f"lens fit {pr.lens_fit_prompts} x {pr.lens_max_seq_len} tokens, SAE {pr.sae_steps} steps on "
+                          f"{pr.sae_prompts} prompts, {pr.steer_per_direction} steering episodes per direction")
+    plan.lines.append(f"  {step.name:<18} per model: {plan.data} (exact lens: one backward pass per residual coordinate)")
+    n_eps = min(pr.lens_max_episodes, ctx.n03)
+    rows = []
+    for spec in ctx.specs:
+        w = ctx.est[spec.name]["weights_gb"]
+        if w is not None:
+            plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * 4.0 * 1.3)   # float32 weights + activations
+        rows.append((spec, 0, probes_seconds(spec, pr, n_eps), ""))
+    return _per_model(plan, ctx, rows)
+
+
+def estimate_transfer(ctx: Context, step) -> StagePlan:
+    p, ft = ctx.params, ctx.ft
+    tr = transfer.transfer_params(p)
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"], data=str(tr["dataset"]))
+    plan.lines.append(f"  {step.name:<18} requests per model: the transfer episodes for the untreated model and each "
+                      "forward adapter" + ("; the MemToC held-out episodes for the untreated model and the reverse "
+                                           "adapter, and the reverse adapter's own closed-book" if tr["reverse"] else "")
+                      + f" (data: {tr['dataset']})")
+    rows = []
+    for spec in ctx.specs:
+        tq = transfer_requests(p, ft, spec.name, ctx.ft_on)
+        what = (f"{tq['total']} requests ({tq['episodes']} episodes x {1 + tq['forward_arms']} arm(s)"
+                + (f"; reverse {tq['reverse_with_tool']} with-tool + {tq['reverse_closed_book']} closed-book, "
+                   f"DPO {tq['reverse_steps']} step(s) of {tr['reverse_batch_size']}" if tr["reverse"] else "") + ")")
+        t = gen_time(ctx, spec, tq["total"])
+        if t is not None and spec.params_b is not None:
+            t += dpo_seconds(tq["reverse_steps"] * tr["reverse_batch_size"], spec.params_b)
+        rows.append((spec, tq["total"], t, what))
+    return _per_model(plan, ctx, rows)
+
+
+def estimate_agent(ctx: Context, step) -> StagePlan:
+    a = agent_core.agent_params(ctx.params)
+    device = "server" if a["runtime"] == "openai" else ctx.device
+    plan = StagePlan(step.name, True, device=device, backend=a["runtime"],
+                     data=f"{a['condition']} returns, slices {list(a['slices'])}")
+    plan.lines.append(f"  {step.name:<18} agent episodes per model (questions x formulations x schema variants x "
+                      f"{len(a['protocols'])} protocols), model requests at most; runtime {a['runtime']}, "
+                      f"{a['max_tokens_per_call']} tokens per call; returns: {a['condition']}")
+    rows = []
+    for spec in ctx.specs:
+        aq = agent_core.planned_requests(ctx.params, spec.name)
+        if not aq["episodes"]:
+            continue
+        t = (gen_time(ctx, spec, aq["requests_max"], "transformers", a["max_tokens_per_call"])
+             if a["runtime"] == "transformers" else None)
+        rows.append((spec, aq["requests_max"], t, f"{aq['episodes']} episodes, <= {aq['requests_max']} requests,"))
+    return _per_model(plan, ctx, rows)
+
+
+def _context(params: dict[str, Any], steps, facts) -> Context:
+    episodes = run_episodes(facts["bench"], dict(params))
     n_forms = len(params["formulations"])
     variants = 2 if params["elicit_permissive"] else 1
-    n02 = params["n_questions"] * n_forms * variants
-    n03 = len(episodes)
     specs = []
     for m in params["models"]:
         try:
-            spec = models.get_model(m)
+            specs.append(models.get_model(m))
         except models.ModelError:
-            spec = models.ModelSpec(m, m, "remote")
-        specs.append(spec)
-    lines = [f"memtoc run {source} --dry-run: run {params['run_name']}, backend {params['backend']}, "
-             f"dtype {params['dtype']}, max_new_tokens {params['max_new_tokens']}",
-             f"release {params['release_dir']} ({facts['n_analysis']} analysis questions; "
-             f"{params['n_questions']} headline, {params['n_questions_extra']} for the extra arms)"]
-    lines.append("")
-    lines.append("models (memory: weights; smallest single GPU that holds them with the backend's headroom)")
-    est = {}
-    cannot = []
-    for spec in specs:
+            specs.append(models.ModelSpec(m, m, "remote"))
+    device = ("server" if params["backend"] == "openai"
+              else "cuda" if gpu_needs(params) or str((params.get("backend_options") or {}).get("device", "")).startswith("cuda")
+              else "cpu")
+    return Context(params, facts["bench"], facts["finetune"], specs, {}, device,
+                   any(s.run and s.number == "04" for s in steps),
+                   params["n_questions"] * n_forms * variants, len(episodes), n_forms, variants)
+
+
+def _memory_lines(ctx: Context, source: str) -> tuple[list[str], list]:
+    params = ctx.params
+    lines = ["models (memory: weights; smallest single GPU that holds them with the backend's headroom)"]
+    cannot: list[str] = []
+    for spec in ctx.specs:
         e = estimate_model(spec, params["backend"], params["dtype"], params["backend_options"] or {})
-        est[spec.name] = e
+        ctx.est[spec.name] = e
         if e["weights_gb"] is None:
             lines.append(f"  {spec.name:<32} {params['backend']}: memory unknown (no parameter count)")
             continue
@@ -203,120 +408,70 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
     judge_est = judge_memory(params, lines, cannot)
     if cannot:
         raise ConfigError(f"{source}: cannot run: " + "; ".join(cannot))
+    return lines, judge_est
 
-    ft_on = any(s.run and s.number == "04" for s in steps)
-    total_s = 0.0
-    unknown_time = False
-    lines.append("")
-    lines.append("notebooks (requests per model; time per model on one A100-80GB, rough)")
+
+def plan_stages(params: dict[str, Any], only: Optional[list[str]] = None,
+                source: str = "<params>") -> tuple[Context, list[StagePlan], list[str], list]:
+    """Every stage's estimate, through the stage registry's ``estimate`` hooks (memtoc/stages.py)."""
+    params = resolve_paths(params)
+    steps = plan(params, only)
+    facts = preflight(params, steps, source)
+    ctx = _context(params, steps, facts)
+    mem_lines, judge_est = _memory_lines(ctx, source)
+    registry = stages.by_number()
+    out = []
     for s in steps:
+        spec = registry.get(s.number)
         if not s.run:
-            lines.append(f"  {s.name:<18} skipped ({s.reason})")
+            out.append(StagePlan(s.name, False, s.reason, lines=[f"  {s.name:<18} skipped ({s.reason})"]))
             continue
-        if s.number == "02":
-            n, what = n02, f"closed-book: {params['n_questions']} questions x {n_forms} formulations x {variants} variant(s)"
-        elif s.number == "03":
-            n, what = n03, "with-tool episodes (core conditions + extra arms), closed-book served by 02"
-        elif s.number == "04":
-            n, what = None, ""
-        elif s.number in ("01", "08", "09"):
-            lines.append(f"  {s.name:<18} no generation")
-            continue
-        elif s.number == "07":
-            a = agent_core.agent_params(P)
-            lines.append(f"  {s.name:<18} agent episodes per model (questions x formulations x schema variants x "
-                         f"{len(a['protocols'])} protocols), model requests at most; runtime {a['runtime']}, "
-                         f"{a['max_tokens_per_call']} tokens per call")
-            for spec in specs:
-                aq = agent_core.planned_requests(P, spec.name)
-                if not aq["episodes"]:
-                    continue
-                what = f"{aq['episodes']} episodes, <= {aq['requests_max']} requests"
-                t = (gen_seconds(aq["requests_max"], est[spec.name]["weights_gb"], "transformers", a["max_tokens_per_call"])
-                     if a["runtime"] == "transformers" else None)
-                if t is None:
-                    unknown_time = True
-                    lines.append(f"      {spec.name:<28} {what}, time unknown ({a['runtime']} runtime)")
-                    continue
-                total_s += t
-                lines.append(f"      {spec.name:<28} {what} ~{_dur(t)}")
-            continue
-        elif s.number != "06":
-            lines.append(f"  {s.name:<18} requests not estimated here (see its notebook)")
-            unknown_time = True
-            continue
-        if s.number == "04":
-            fr = finetune_requests(P, ft, bench)
-            n_eval = fr["with_tool"] + fr["adapter_closed_book"]
-            n_train = fr["train_examples"]
-            lines.append(f"  {s.name:<18} {fr['adapters']} adapter(s) per fine-tuned model ({', '.join(ft['objectives'])} "
-                         f"x folds {ft['folds']}), {n_train} training examples over the folds; {n_eval} evaluation "
-                         f"requests per model ({fr['with_tool']} with-tool, untreated + adapters; "
-                         f"{fr['adapter_closed_book']} the adapters' own closed-book)")
-            ft_specs = [spec for spec in specs if spec.name in ft["models"]]
-            if not ft_specs:
-                lines.append("      no fine-tuned models (finetune.models)")
-            for spec in ft_specs:
-                e = est[spec.name]
-                if e["weights_gb"] is None:
-                    unknown_time = True
-                    continue
-                pb = spec.params_b
-                steps_tok = n_train * ft["epochs"] * TRAIN_TOKENS_PER_EXAMPLE
-                flops = sum(steps_tok * (6 if o == "sft" else 16) * pb * 1e9 for o in ft["objectives"])
-                t_train = flops / (GPU_TFLOPS * 1e12 * MFU)
-                t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", params["max_new_tokens"]) or 0.0
-                act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb
-                if ft["gradient_checkpointing"]:
-                    act /= 4
-                mem = pb * 2.0 + act
-                cls = _gpu_class(mem)
-                total_s += t_train + t_eval
-                lines.append(f"      {spec.name:<28} training ~{_dur(t_train)}, evaluation ~{_dur(t_eval)} "
-                             f"(transformers); DPO memory ~{mem:.0f} GB -> "
-                             + (f"{cls} GB GPU" if cls else "more than one 80 GB GPU: enable "
-                                "finetune.gradient_checkpointing or lower finetune.batch_size"))
-            continue
-        if s.number == "06":
-            tr = transfer.transfer_params(P)
-            lines.append(f"  {s.name:<18} requests per model: the transfer episodes for the untreated model and each "
-                         "forward adapter" + ("; the MemToC held-out episodes for the untreated model and the "
-                                              "reverse adapter, and the reverse adapter's own closed-book"
-                                              if tr["reverse"] else ""))
-            for spec in specs:
-                tq = transfer_requests(P, ft, spec.name, ft_on)
-                what = (f"{tq['total']} requests ({tq['episodes']} episodes x {1 + tq['forward_arms']} arm(s)"
-                        + (f"; reverse {tq['reverse_with_tool']} with-tool + {tq['reverse_closed_book']} closed-book, "
-                           f"DPO {tq['reverse_steps']} step(s) of {tr['reverse_batch_size']}" if tr["reverse"] else "")
-                        + ")")
-                t = gen_seconds(tq["total"], est[spec.name]["weights_gb"], params["backend"], params["max_new_tokens"])
-                if t is None or spec.params_b is None:
-                    unknown_time = True
-                    lines.append(f"      {spec.name:<28} {what}, time unknown ({params['backend']})")
-                    continue
-                t_train = dpo_seconds(tq["reverse_steps"] * tr["reverse_batch_size"], spec.params_b)
-                total_s += t + t_train
-                lines.append(f"      {spec.name:<28} {what} ~{_dur(t + t_train)}")
-            continue
-        lines.append(f"  {s.name:<18} {n} requests per model ({what})")
-        for spec in specs:
-            t = gen_seconds(n, est[spec.name]["weights_gb"], params["backend"], params["max_new_tokens"])
-            if t is None:
-                unknown_time = True
-                lines.append(f"      {spec.name:<28} time unknown ({params['backend']})")
-            else:
-                total_s += t
-                lines.append(f"      {spec.name:<28} ~{_dur(t)}")
-    if params.get("judge"):
-        lines.append(f"  judged layer: about {n03} judge requests per model with {params['judge']['model']}")
-    lines.append("")
-    lines.append(f"total generation + training, rough: ~{_dur(total_s)}"
-                 + (" (plus the parts whose time is unknown)" if unknown_time else "")
-                 + "; statistics (n_boot, n_perm) and the report add minutes")
-    need = max((e["gpu_class"] or 0) for e in [*est.values(), *judge_est]) if est or judge_est else 0
+        estimator = stages.hook(spec.estimate) if spec else None
+        if estimator is not None:
+            out.append(estimator(ctx, s))
+        elif spec is not None and not spec.generates:
+            out.append(StagePlan(s.name, True, seconds=0.0, lines=[f"  {s.name:<18} no generation"]))
+        else:
+            out.append(StagePlan(s.name, True, device=ctx.device,
+                                 lines=[f"  {s.name:<18} requests not estimated (no estimator for this stage)"]))
+    return ctx, out, mem_lines, judge_est
+
+
+def dry_run_json(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> dict[str, Any]:
+    """``memtoc run PARAMS --dry-run --json``: ``{"stages": [...], "total_seconds", ...}``."""
+    ctx, plans, _, judge_est = plan_stages(params, only, source)
+    known = [p.seconds for p in plans if p.enabled]
+    gpu = [e["gpu_gb"] for e in [*ctx.est.values(), *judge_est] if e.get("gpu_gb")] + \
+          [p.gpu_gb for p in plans if p.gpu_gb]
+    return {"params": source, "run_name": ctx.params["run_name"], "backend": ctx.params["backend"],
+            "models": [s.name for s in ctx.specs], "stages": [p.to_json() for p in plans],
+            "total_seconds": sum(s for s in known if s is not None),
+            "unestimated_stages": [p.stage for p in plans if p.enabled and p.seconds is None],
+            "gpu_gb": max(gpu) if gpu else None,
+            "note": "estimates from the formulas in memtoc/dryrun.py (assumed constants, not measurements)"}
+
+
+def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> str:
+    """The plan as text; raises ConfigError (one line) for what cannot run."""
+    ctx, plans, mem_lines, judge_est = plan_stages(params, only, source)
+    params = ctx.params
+    lines = [f"memtoc run {source} --dry-run: run {params['run_name']}, backend {params['backend']}, "
+             f"dtype {params['dtype']}, max_new_tokens {params['max_new_tokens']}",
+             f"release {params['release_dir']} ({len(ctx.bench.analysis)} analysis questions; "
+             f"{params['n_questions']} headline, {params['n_questions_extra']} for the extra arms)", ""]
+    lines += mem_lines
+    lines += ["", "notebooks (requests per model; time per model on one A100-80GB, rough)"]
+    for p in plans:
+        lines += p.lines
+    total = sum(p.seconds for p in plans if p.enabled and p.seconds is not None)
+    unknown = any(p.enabled and p.seconds is None for p in plans)
+    lines += ["", f"total generation + training, rough: ~{_dur(total)}"
+              + (" (plus the parts whose time is unknown)" if unknown else "")
+              + "; statistics (n_boot, n_perm) and the report add minutes"]
+    need = max((e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]) if ctx.est or judge_est else 0
     if params["backend"] == "vllm":
         lines.append(f"needs: a CUDA GPU with at least {need} GB and the vllm package (pip install 'memtoc[gpu]')"
-                     + ("; 04 trains and evaluates with transformers" if ft_on else ""))
+                     + ("; 04 trains and evaluates with transformers" if ctx.ft_on else ""))
     elif params["backend"] == "transformers":
         lines.append("needs: nothing beyond the CPU install (a GPU only makes it faster; the times above are "
                      "for one A100-80GB)")

@@ -52,21 +52,20 @@ from typing import Any
 
 import yaml
 
-from . import finetune, models, progress, runlock
+from . import models, progress, runlock
+from . import stages as stages_mod
 from .benchmark import load_benchmark
 from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
 from .gpuenv import check_gpu
 from .servers import check_servers
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir, run_dir
-from .agent.core import agent_params
-from .probes.core import probes_params
-from .transfer import transfer_params
+from .runconfig import RunConfig
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
-# The stages the pipeline knows about (a missing one is skipped with a notice). Notebooks present in
-# notebooks/ with other numbers run too, in numeric order.
-KNOWN_STAGES: tuple[str, ...] = ("01", "02", "03", "04", "08", "09")
+# The stages the pipeline knows about (memtoc/stages.py; a missing notebook is skipped with a notice).
+# Notebooks present in notebooks/ with other numbers run too, in numeric order.
+KNOWN_STAGES: tuple[str, ...] = tuple(s.number for s in stages_mod.STAGES)
 
 PROVENANCE_PACKAGES: tuple[str, ...] = (
     "memtoc", "torch", "transformers", "trl", "peft", "accelerate", "datasets", "vllm", "papermill",
@@ -126,8 +125,9 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
 # plan
 
 
-def discover_notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> dict[str, Path]:
-    """Numbered notebooks in ``notebook_dir``: ``{"01": Path(.../01_construction.ipynb), ...}``."""
+def discover_notebooks(notebook_dir: Path | None = None) -> dict[str, Path]:
+    """Numbered notebooks in ``notebook_dir`` (default ``NOTEBOOK_DIR``): ``{"01": Path(.../01_construction.ipynb), ...}``."""
+    notebook_dir = notebook_dir or NOTEBOOK_DIR
     found: dict[str, Path] = {}
     if not notebook_dir.is_dir():
         return found
@@ -142,7 +142,7 @@ def discover_notebooks(notebook_dir: Path = NOTEBOOK_DIR) -> dict[str, Path]:
 
 
 def plan(params: dict[str, Any], only: list[str] | None = None,
-         notebook_dir: Path = NOTEBOOK_DIR) -> list[Step]:
+         notebook_dir: Path | None = None) -> list[Step]:
     """The ordered list of notebooks a run would execute (pure apart from listing the folder)."""
     found = discover_notebooks(notebook_dir)
     numbers = sorted(set(found) | set(KNOWN_STAGES))
@@ -158,24 +158,16 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
                 raise ConfigError(f"--only {o!r}: no such notebook; available: {avail}")
             wanted.update(hit)
     steps: list[Step] = []
-    finetune_on = bool((params.get("finetune") or {}).get("enabled", True))
-    transfer_on = bool((params.get("transfer") or {}).get("enabled", True))
-    probes_on = bool((params.get("probes") or {}).get("enabled", True))
-    agent_on = bool((params.get("agent") or {}).get("enabled", True))
+    registry = stages_mod.by_number()
     for n in numbers:
         if wanted is not None and n not in wanted:
             continue
         p = found.get(n)
+        on, why = registry[n].enabled(params) if n in registry else (True, "")
         if p is None:
             steps.append(Step(n, n, None, False, "no notebook for this stage in notebooks/ yet"))
-        elif n == "04" and not finetune_on:
-            steps.append(Step(n, p.stem, p, False, "finetune.enabled is false"))
-        elif n == "06" and not transfer_on:
-            steps.append(Step(n, p.stem, p, False, "transfer.enabled is false"))
-        elif n == "05" and not probes_on:
-            steps.append(Step(n, p.stem, p, False, "probes.enabled is false"))
-        elif n == "07" and not agent_on:
-            steps.append(Step(n, p.stem, p, False, "agent.enabled is false"))
+        elif not on:
+            steps.append(Step(n, p.stem, p, False, why))
         else:
             steps.append(Step(n, p.stem, p, True))
     return steps
@@ -264,9 +256,10 @@ def resolve_paths(params: dict[str, Any], cwd: Path | None = None) -> dict[str, 
 
 
 def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>") -> dict[str, Any]:
-    """Checks that need the registry or the data, done before the first notebook starts: model
-    names, the ``finetune`` block (through ``finetune.finetune_params``, the one schema of its keys)
-    and the question counts against the analysis set. Returns facts for the plan."""
+    """Checks that need the model registry or the data, done before the first notebook starts: model
+    names, every stage block (through the typed run configuration), the question counts against the
+    analysis set, then each running stage's own ``preflight`` hook (memtoc/stages.py). Returns facts
+    for the plan."""
     for m in params["models"]:
         if params["backend"] != "openai":
             try:
@@ -279,35 +272,33 @@ def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>
             models.get_model(j["model"])
         except models.ModelError as e:
             raise ConfigError(f"{source}: field 'judge.model': {e}") from None
-    ft = finetune.finetune_params(params, source)
-    transfer_params(params, source)   # the transfer block (06), checked before 01 starts
-    probes_params(params, source)     # the probes block (05)
-    agent_params(params, source)      # the agent block (07)
+    cfg = RunConfig.of(params, source)   # every stage block, typed and checked before 01 starts
     bench = load_benchmark(params.get("release_dir"))
     n = len(bench.analysis)
     for field in ("n_questions", "n_questions_extra"):
         if params[field] > n:
             raise ConfigError(f"{source}: field {field!r}: {params[field]} is more than the {n} questions of "
                               f"the analysis set; use at most {n}")
-    return {"bench": bench, "n_analysis": n, "finetune": ft}
+    facts = {"bench": bench, "n_analysis": n, "finetune": cfg.finetune, "config": cfg}
+    registry = stages_mod.by_number()
+    for s in steps:
+        spec = registry.get(s.number)
+        check = stages_mod.hook(spec.preflight) if s.run and spec else None
+        if check is not None:
+            check(params, source, facts)
+    return facts
 
 
-# Parameters that cannot change a result (where files go, how fast, whether 09 raises). batch_size
-# is here because the cache key ignores it: a reply must not depend on its batch (issue 13 item 1).
-NON_RESULT_KEYS: tuple[str, ...] = ("run_name", "output_root", "release_dir", "model_cache_dir",
-                                    "batch_size", "verify")
-# The result parameters each stage reads (cumulative); stages not listed read all of them.
-_S01 = ("release", "seed", "formulations", "n_questions", "n_questions_extra", "extra_arms")
-_S02 = _S01 + ("models", "backend", "backend_options", "dtype", "max_new_tokens", "matcher",
-               "closed_book_variant", "elicit_permissive", "alpha")
-STAGE_KEYS: dict[str, tuple[str, ...]] = {"01": _S01, "02": _S02, "03": _S02 + ("n_boot", "n_perm", "judge")}
+NON_RESULT_KEYS = stages_mod.NON_RESULT_KEYS
 
 
 def stage_params(params: dict[str, Any], number: str, release_digest: str | None) -> dict[str, Any]:
-    """The parameters stage ``number`` computes its outputs from (``release`` = the data's digest)."""
+    """The parameters stage ``number`` computes its outputs from (``release`` = the data's digest):
+    its own and those of the stages it reads (memtoc/stages.py); a notebook the registry does not
+    know depends on every result parameter."""
     every = {k: v for k, v in params.items() if k not in NON_RESULT_KEYS}
     every["release"] = release_digest
-    keys = STAGE_KEYS.get(number)
+    keys = stages_mod.stage_keys(number)
     return plain({k: every[k] for k in (keys or sorted(every)) if k in every})
 
 
@@ -335,19 +326,33 @@ def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, An
     """One message per earlier stage, not run now, whose recorded outputs were computed with other
     parameters than the ones a stage of this run would compute with."""
     running = {s.number for s in steps if s.run}
+    reads = {r: stages_mod.upstream(r) if stages_mod.stage(r) else {n for n in KNOWN_STAGES if n < r}
+             for r in running}
     out = []
     for name, rec in sorted(stages.items()):
         num = str(rec.get("number") or name[:2])
-        if num in running or not any(r > num for r in running):
+        if num in running or not any(num in reads[r] for r in running):
             continue  # rebuilt by this run, or read by no stage of it
         now = stage_params(params, num, release_digest)
         if rec.get("params_sha256") == params_sha256(now):
             continue
-        was = rec.get("params") or {}
-        diff = [f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
-                if was.get(k) != now.get(k)]
+        was, new = _flat(rec.get("params") or {}), _flat(now)
+        diff = [f"{k}: {was.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in sorted(set(was) | set(new))
+                if was.get(k, "(unset)") != new.get(k, "(unset)")]
         out.append(f"{name} (outputs of {rec.get('finished', '?')}) was computed with other parameters ("
                    + "; ".join(diff[:4]) + (" …" if len(diff) > 4 else "") + ")")
+    return out
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"agent": {"max_calls": 1}}`` -> ``{"agent.max_calls": 1}`` (a refusal names the settings that
+    differ, not whole blocks)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 
@@ -421,7 +426,7 @@ def notebook_notices(executed: Path, marker: str = "memtoc cache:") -> list[str]
 
 
 def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool = False,
-        notebook_dir: Path = NOTEBOOK_DIR, executor=None, echo=None, source: str = "<params>") -> dict[str, Any]:
+        notebook_dir: Path | None = None, executor=None, echo=None, source: str = "<params>") -> dict[str, Any]:
     """Execute a run; returns the config dict written to ``<run_dir>/config.json``.
 
     ``executor(src, dst, params_file, log_output)`` defaults to papermill (tests may inject one).
@@ -434,7 +439,8 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
     found_by = resolve_release(params=params)[1]   # which rule found the data (config.resolve_release)
     params = resolve_paths(params)
     steps = plan(params, only, notebook_dir)
-    if any(s.run and s.number not in ("01", "08", "09") for s in steps):
+    registry = stages_mod.by_number()
+    if any(s.run and (s.number not in registry or registry[s.number].generates) for s in steps):
         check_gpu(params, source)   # one line, before any notebook, when a stage needs a GPU that is not here
         check_servers(params, source)   # every configured OpenAI-compatible server answers, or one line
     preflight(params, steps, source)

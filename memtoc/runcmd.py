@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from . import pipeline
 from .config import load_params, run_dir
-from .dryrun import dry_run
+from .dryrun import dry_run, dry_run_json
 from .servers import server_report
 
 
@@ -21,6 +22,8 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--list", action="store_true", help="print the plan and exit without running")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan with request counts and GPU memory / time estimates; loads no weights")
+    ap.add_argument("--json", action="store_true",
+                    help="with --dry-run: one JSON object (stages, requests, seconds, GPU memory) instead of text")
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     a = ap.parse_args(argv)
     params = load_params(a.params, overrides=pipeline.parse_set(a.sets))
@@ -29,6 +32,11 @@ def cli(argv: list[str]) -> int:
             print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")
         st = pipeline.effective_status(run_dir(params))
         print(f"run directory {run_dir(params)}: " + (f"last run {st}" if st else "no run yet"))
+        return 0
+    if a.dry_run and a.json:
+        plan = dry_run_json(params, a.only, source=a.params)
+        plan["servers"] = server_report(params)
+        print(json.dumps(plan, indent=1))
         return 0
     if a.dry_run:
         print(dry_run(params, a.only, source=a.params))

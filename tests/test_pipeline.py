@@ -41,7 +41,7 @@ def test_plan_order_skips_and_only(tmp_path):
     d = _nbdir(tmp_path, ["03_evaluation.ipynb", "01_construction.ipynb", "04_finetuning.ipynb", "notes.ipynb"])
     P = load_params(SMOKE)
     steps = pipeline.plan(P, None, d)
-    assert [s.number for s in steps] == ["01", "02", "03", "04", "08", "09"]
+    assert [s.number for s in steps] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]   # the registry's stages
     assert [s.name for s in steps if s.run] == ["01_construction", "03_evaluation", "04_finetuning"]
     assert "no notebook" in next(s for s in steps if s.number == "02").reason
     P2 = load_params(SMOKE, overrides={"finetune": {"enabled": False}})

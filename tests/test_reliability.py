@@ -520,7 +520,7 @@ def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     assert tuned["total"] == tuned["forward"] + tuned["reverse_with_tool"] + tuned["reverse_closed_book"]
     assert cli.main(["run", str(REPO_ROOT / "params" / "paper.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    sec04 = out[out.index("04_finetuning"):out.index("06_transfer")]
+    sec04 = out[out.index("04_finetuning"):out.index("05_probes")]
     assert "llama-3.1-8b-instruct" in sec04 and "llama-3.1-8b " not in sec04
     assert f"{fr['adapter_closed_book']} the adapters' own closed-book" in sec04
     sec06 = out[out.index("06_transfer"):out.index("08_paper")]
