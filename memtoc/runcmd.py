@@ -7,6 +7,7 @@ import json
 
 from . import pipeline
 from .config import load_params, run_dir
+from .runconfig import RunConfig
 from .dryrun import dry_run, dry_run_json
 from .servers import server_report
 
@@ -26,7 +27,13 @@ def cli(argv: list[str]) -> int:
                     help="with --dry-run: one JSON object (stages, requests, seconds, GPU memory) instead of text")
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     a = ap.parse_args(argv)
-    params = load_params(a.params, overrides=pipeline.parse_set(a.sets))
+    overrides = pipeline.parse_set(a.sets)
+    if overrides:   # a bad block value names the file when the file has it, --set when only --set does
+        RunConfig.of(load_params(a.params), a.params)
+        params = load_params(a.params, overrides=overrides)
+        RunConfig.of(params, f"--set (over {a.params})")
+    else:
+        params = load_params(a.params)
     if a.list:
         for s in pipeline.plan(params, a.only):
             print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")

@@ -668,3 +668,10 @@ def test_killed_damaged_and_resumed_run_gives_the_uninterrupted_summaries(tmp_pa
     assert claims.verify(rd).ok
     assert cache.rejected_path(files[0]).read_bytes() == b"{garbage\n"
     print(f"uninterrupted run {t_a:.0f} s; killed three times, damaged and resumed {time.perf_counter() - t0:.0f} s")
+
+
+def test_a_bad_set_value_names_set_and_shows_what_it_got(tmp_path, capsys):
+    rc = cli.main(["run", SMOKE, "--set", f"output_root={tmp_path}", "--set", "probes.strengths=[x]", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert "--set (over " in err and "field 'probes.strengths'" in err and "got ['x']" in err

@@ -92,8 +92,8 @@ class ProbesConfig(Block):
                 fail(key, f"unknown value(s) {bad}; valid: {', '.join(valid)}")
         if not isinstance(pr["strengths"], list) or not pr["strengths"] \
                 or any(not is_num(s) or s <= 0 for s in pr["strengths"]):
-            fail("strengths", "must be a list of positive numbers (0 is the baseline, always run)")
+            fail("strengths", f"must be a list of positive numbers (0 is the baseline, always run), got {pr['strengths']!r}")
         for key in PER_MODEL:
             if not isinstance(pr[key], dict):
-                fail(key, "must be a mapping keyed by model name")
+                fail(key, f"must be a mapping keyed by model name, got {pr[key]!r}")
         return cls.build(pr)
