@@ -14,6 +14,7 @@ from packaging.version import Version
 from .. import models
 from ..blockconfig import FinetuneConfig
 from ..config import check_choice
+from ..gpuenv import release_memory
 from ..io import sha256_json
 from ..models import attention_implementation
 from .common import OBJECTIVES, FinetuneError
@@ -260,5 +261,9 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
     }
     (out_dir / "training.json").write_text(json.dumps(info, indent=1))
     shutil.rmtree(out_dir / "_trainer", ignore_errors=True)
+    # the trainer keeps the model in reference cycles (trl binds model.forward): collect them and hand
+    # the GPU's cached blocks back before any generator or engine of the run starts
+    device = str(next(model.parameters()).device)
     del trainer, model
+    release_memory(device)
     return {**info, "resumed": False}
