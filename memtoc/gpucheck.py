@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 
 from . import finetune, models
 from .gpuenv import cuda_facts
+from .gpuquick import run_quick
 
 WORDS = ("the tool returned a value for the question about the river city author year population "
          "capital country founded born wrote album film company bridge mountain answer final memory "
@@ -337,7 +338,15 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--only", nargs="+", default=None,
                     help="cases to run: llama-3.1 qwen2.5 mistral gemma-2 dpo")
     ap.add_argument("--json", default=None, help="write the results (and versions) to this file")
+    ap.add_argument("--plan", default=None, help="a params file (e.g. params/paper.yaml): with --quick, run its "
+                    "whole pipeline at a tiny size with the embedded model (memtoc/gpuquick.py)")
+    ap.add_argument("--quick", action="store_true", help="with --plan: every enabled stage, 2 questions, minutes")
+    ap.add_argument("--keep", default=None, help="with --quick: the output folder (default: a temporary one)")
     a = ap.parse_args(argv)
+    if a.quick or a.plan:
+        if not (a.quick and a.plan):
+            ap.error("--plan and --quick go together: memtoc gpucheck --plan params/paper.yaml --quick")
+        return run_quick(a.plan, a.device, a.keep, log=lambda s: print(s, flush=True))
     if not (a.device or "").startswith("cpu"):
         facts = cuda_facts()
         if not facts.available:

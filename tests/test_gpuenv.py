@@ -82,3 +82,27 @@ def test_run_of_a_gpu_plan_refuses_before_any_notebook(monkeypatch, tmp_path, ca
     err = capsys.readouterr().err
     assert rc != 0 and "needs a CUDA GPU" in err and "paper.yaml" in err
     assert not any(tmp_path.iterdir())       # nothing written: no run directory, no notebook
+
+
+def test_quick_plan_check_keeps_the_plan_and_shrinks_it(tmp_path):
+    from memtoc import gpuquick, pipeline
+    from memtoc.config import load_params
+    plan = load_params("params/paper.yaml")
+    q = gpuquick.quick_params("params/paper.yaml", str(tmp_path))
+    assert q["models"] == [models.EMBEDDED] and q["backend"] == plan["backend"] == "vllm" and q["dtype"] == plan["dtype"]
+    assert q["judge"]["model"] == models.EMBEDDED and q["judge"]["backend"] == plan["judge"]["backend"]
+    assert q["n_questions"] == 2 and q["finetune"]["max_steps"] == 1 and q["backend_options"]["gpu_memory_utilization"] <= 0.3
+    assert q["output_root"] == str(tmp_path) and q["run_name"] == "gpucheck-quick"
+    steps = {s.number: s.run for s in pipeline.plan(q)}
+    assert steps == {s.number: s.run for s in pipeline.plan(plan)}           # the same stages run
+    q70 = gpuquick.quick_params("params/scale70b.yaml", str(tmp_path))
+    assert {s.number for s in pipeline.plan(q70) if not s.run} >= {"04", "05", "06", "07"}
+
+
+def test_quick_plan_check_needs_a_gpu(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("memtoc.gpuquick.check_gpu",
+                        lambda params, source: gpuenv.check_gpu(params, source, facts=NO_GPU))
+    rc = cli.main(["gpucheck", "--plan", "params/paper.yaml", "--quick", "--keep", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs a CUDA GPU" in err and "gpucheck --quick" in err
+    assert not any(tmp_path.iterdir())
