@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install data run test test-fast smoke bench clean-run
+.PHONY: install data run docs test test-fast smoke bench clean-run
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ data: install
 
 run: install data
 	$(BIN)/memtoc run $(PARAMS)
+
+# the finished default run, rendered for readers into docs/results/ (memtoc/snapshot.py)
+docs: install
+	$(BIN)/python -m memtoc.snapshot outputs/default docs/results
 
 test: install
 	$(BIN)/python -m pytest -q -ra --durations=15

@@ -51,7 +51,9 @@ import yaml
 
 from .config import REPO_ROOT, MemtocError
 from .lock import check_run_versions
+from .io import atomic_write_text
 from .metrics import metric_spec
+from .runconfig import RunPaths
 from .vocab import HEADLINE_METRICS
 
 REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
@@ -420,9 +422,8 @@ def resolve(run_dir: str | Path, registry: str | Path | dict | None = None) -> l
 
 
 # What a run's report rests on besides the claim files: everything the run wrote, except the report
-# itself, the executed notebooks, the run's bookkeeping and transient files.
-_MANIFEST_SKIP_DIRS = ("paper", "notebooks")
-_MANIFEST_SKIP_FILES = ("config.json", "params.yaml")
+# itself (paper/), the executed notebooks, the run's bookkeeping (config.json, params.yaml) and
+# transient files.
 _MANIFEST_SKIP_SUFFIXES = (".tmp", ".rejected")
 _FIGURE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -430,11 +431,13 @@ _FIGURE_RE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 def output_manifest(run_dir: str | Path) -> dict[str, str]:
     """sha256 of every output file of a run the report rests on (relative path -> hex digest):
     summaries, scored and generation files, episodes, figures, adapters."""
-    root = Path(run_dir)
+    paths = RunPaths(run_dir)
+    root = paths.root
+    skip_dirs, skip_files = (paths.paper, paths.notebooks), (paths.config_json, paths.params_yaml)
     out: dict[str, str] = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root)
-        if (not p.is_file() or rel.parts[0] in _MANIFEST_SKIP_DIRS or str(rel) in _MANIFEST_SKIP_FILES
+        if (not p.is_file() or any(d in p.parents for d in skip_dirs) or p in skip_files
                 or any(part.startswith(".") for part in rel.parts) or p.name.endswith(_MANIFEST_SKIP_SUFFIXES)):
             continue
         h = hashlib.sha256()
@@ -447,8 +450,7 @@ def output_manifest(run_dir: str | Path) -> dict[str, str]:
 
 def write_claims(run_dir: str | Path, claims: list[Claim], omitted: list[dict] | None = None,
                  registry: str | Path | None = None) -> Path:
-    path = Path(run_dir) / "paper" / "claims.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = RunPaths(run_dir).claims_json
     reg_path = Path(registry) if registry and not isinstance(registry, dict) else REGISTRY_PATH
     doc = {
         "schema": "memtoc-claims-v1",
@@ -461,8 +463,7 @@ def write_claims(run_dir: str | Path, claims: list[Claim], omitted: list[dict] |
         # sha256 of every output the claims rest on; `memtoc verify` fails when one changed or went
         "inputs": output_manifest(run_dir),
     }
-    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False, default=str) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps(doc, indent=1, ensure_ascii=False, default=str) + "\n")
 
 
 def read_claims(run_dir: str | Path) -> tuple[list[Claim], dict]:
@@ -470,7 +471,7 @@ def read_claims(run_dir: str | Path) -> tuple[list[Claim], dict]:
     if not run_dir.is_dir():
         raise ClaimError(f"run directory {run_dir} does not exist; run `memtoc run PARAMS.yaml` first "
                          "(a run directory is outputs/<run_name>)")
-    path = run_dir / "paper" / "claims.json"
+    path = RunPaths(run_dir).claims_json
     if not path.is_file():
         raise ClaimError(f"{path} does not exist; build the report first (notebooks/08_paper.ipynb, "
                          "or `memtoc run PARAMS.yaml --only 08`)")
@@ -659,7 +660,7 @@ def _check_inputs(run_dir: Path, doc: dict) -> CheckRow:
 def _check_figures(run_dir: Path, doc: dict) -> CheckRow:
     """Every figure embedded in report.md exists and is one whose hash claims.json recorded."""
     row = CheckRow(id="report:figures", status="FAIL", source="paper/report.md")
-    path = run_dir / "paper" / "report.md"
+    path = RunPaths(run_dir).report_md
     if not path.is_file():
         row.detail = "report.md is missing"
         return row
@@ -714,7 +715,7 @@ def _check_registry(run_dir: Path, claims: list[Claim], registry: str | Path | d
 
 
 def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
-    path = run_dir / "paper" / "report.md"
+    path = RunPaths(run_dir).report_md
     rows: list[CheckRow] = []
     if not path.is_file():
         return [CheckRow(id="report:file", status="FAIL", source=str(path),
@@ -743,3 +744,9 @@ def _check_report(run_dir: Path, claims: list[Claim]) -> list[CheckRow]:
                          source="paper/report.md",
                          detail=("numbers outside claim markers: " + " | ".join(s[:60] for s in stray[:5])) if stray else ""))
     return rows
+
+
+def check_report(run_dir: str | Path, claims: list[Claim]) -> list[CheckRow]:
+    """The report's claim markers, coverage and untagged numbers against ``claims`` (public form of
+    the checks :func:`verify` runs on a run directory; ``memtoc.snapshot`` runs them on a snapshot)."""
+    return _check_report(Path(run_dir), claims)
