@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from . import pipeline
 from .config import load_params, run_dir
@@ -23,11 +24,15 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--list", action="store_true", help="print the plan and exit without running")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the plan with request counts and GPU memory / time estimates; loads no weights")
+    ap.add_argument("--release", default=None, metavar="DIR",
+                    help="the MemToC release folder (either layout); first in the resolution order (docs/data.md)")
     ap.add_argument("--json", action="store_true",
                     help="with --dry-run: one JSON object (stages, requests, seconds, GPU memory) instead of text")
     ap.add_argument("--log-output", action="store_true", help="stream the notebooks' output to the terminal")
     a = ap.parse_args(argv)
     overrides = pipeline.parse_set(a.sets)
+    if a.release:
+        overrides["release_dir"] = str(Path(a.release).expanduser().resolve())
     if overrides:   # a bad block value names the file when the file has it, --set when only --set does
         RunConfig.of(load_params(a.params), a.params)
         params = load_params(a.params, overrides=overrides)

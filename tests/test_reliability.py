@@ -675,3 +675,11 @@ def test_a_bad_set_value_names_set_and_shows_what_it_got(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "--set (over " in err and "field 'probes.strengths'" in err and "got ['x']" in err
+
+
+def test_run_takes_the_release_on_the_command_line(tmp_path, capsys):
+    rc = cli.main(["run", SMOKE, "--release", str(RELEASE), "--dry-run"])
+    assert rc == 0 and f"release {RELEASE} " in capsys.readouterr().out
+    rc = cli.main(["run", SMOKE, "--release", str(tmp_path / "nowhere"), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nowhere" in err and err.count("\n") == 1
