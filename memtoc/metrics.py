@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import pandas as pd
@@ -342,6 +342,35 @@ def pool_formulations(values: Sequence[float], dens: Sequence[float]) -> float:
     return float(v[use].mean()) if use.any() else float("nan")
 
 
+class PooledInterval(NamedTuple):
+    """The pooled rate of :func:`pooled_interval`: value, interval ends, ``n`` (units of the
+    formulations used), ``n_boot_used`` (replicates in which every one of them is defined) and
+    ``n_formulations`` (those with a non-empty denominator)."""
+    value: float
+    lo: float
+    hi: float
+    n: float
+    n_boot_used: int
+    n_formulations: int
+
+
+def pooled_interval(points: Sequence[float], reps: np.ndarray, dens: Sequence[float],
+                    alpha: float = 0.05) -> PooledInterval:
+    """The paper's pooled rate and its question-cluster interval (the one estimator of
+    :func:`summarize_group` and ``intervals.rate_intervals``): ``points`` (F,) the formulation
+    rates, ``reps`` (F, B) their bootstrap replicates on the SAME resampled questions, ``dens`` (F,)
+    their denominators. Value: :func:`pool_formulations`; a replicate is the mean of the used
+    formulations' replicates, undefined (dropped, counted out of ``n_boot_used``) when any of them
+    is; percentile interval by ``stats.percentile_ci``."""
+    d = np.asarray(dens, dtype=float)
+    use = d > 0
+    r = np.asarray(reps, dtype=float)[use]
+    rj = np.where(np.all(np.isfinite(r), 0), r.mean(0), np.nan)
+    lo, hi = _stats.percentile_ci(rj, alpha)
+    return PooledInterval(pool_formulations(points, d), lo, hi, d[use].sum(), int(np.isfinite(rj).sum()),
+                          int(use.sum()))
+
+
 def pooled_point_metrics(df: pd.DataFrame, formulation_col: str = "formulation") -> dict[str, Any]:
     """Point values only (no bootstrap): ``{form: arm_metrics(...), "pooled": {metric: value}}``
     with the pooled values from :func:`pool_formulations`, the same rule :func:`summarize_group`
@@ -409,12 +438,9 @@ def summarize_group(df: pd.DataFrame, formulation_col: str = "formulation", n_bo
             pooled[spec.name] = _entry(np.nan, np.nan, np.nan, 0, 0)
             pooled[spec.name]["n_formulations"] = 0
             continue
-        value = pool_formulations(points_a[:, j], dens_a[:, j])
-        r = reps_a[use, :, j]
-        rj = np.where(np.all(np.isfinite(r), 0), r.mean(0), np.nan)
-        lo, hi = _stats.percentile_ci(rj, alpha)
-        pooled[spec.name] = _entry(value, lo, hi, dens_a[use, j].sum(), np.isfinite(rj).sum())
-        pooled[spec.name]["n_formulations"] = int(use.sum())
+        p = pooled_interval(points_a[:, j], reps_a[:, :, j], dens_a[:, j], alpha)
+        pooled[spec.name] = _entry(p.value, p.lo, p.hi, p.n, p.n_boot_used)
+        pooled[spec.name]["n_formulations"] = p.n_formulations
     for s in SIZE_NAMES:
         pooled[s] = int(sum(out[str(f)][s] for f in forms))
     pooled["n_questions"] = int(k)

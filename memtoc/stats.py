@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from .config import MemtocError
+from .io import plain
 from .vocab import ALT_FRAMES, FORMULATIONS, PROMPTING_ARMS, REFERENCE_FORMULATION
 
 DEFAULT_N_BOOT = 1000     # the release's n_boot (scripts/build_paired_treatment_summary.py: N_BOOT = 1000)
@@ -373,6 +374,34 @@ def families_summary(stage: str, applied: Mapping[str, Mapping[str, Any]]) -> di
     return {n: {"metric": f.metric, "axes": list(f.axes), "models": f.models, "slices": list(f.slices),
                 "test": f.test, "description": f.description, "members": dict(applied.get(n, {}))}
             for n, f in FAMILIES.items() if f.stage == stage}
+
+
+def apply_finetune_families(summary: dict, alpha: float = 0.05) -> dict[str, dict]:
+    """The fine-tuning families on a ``summaries/finetuning.json`` dict (in place,
+    :func:`apply_families`): retention and correct-tool following, each over models x objectives
+    and corrected separately in every slice (each formulation, and pooled); the other metrics
+    (diagnostics) keep ``p_holm`` None. Recomputes ``criterion`` / ``criterion_by_formulation`` with
+    the adjusted p values and records the families under ``/holm_families``. Returns ``{family:
+    {slice: {member: p_holm}}}``."""
+    models = summary.get("models") or {}
+    for ms in models.values():
+        for os_ in (ms.get("objectives") or {}).values():
+            for by_slice in (os_.get("deltas") or {}).values():
+                for c in by_slice.values():
+                    c["p_holm"], c["family"] = None, None
+    applied = apply_families(models, "finetune", (), alpha)
+    for ms in models.values():
+        for os_ in (ms.get("objectives") or {}).values():
+            d = os_.get("deltas") or {}
+            if "retention" not in d or "tool_follow" not in d:
+                continue
+            crit = {sl: plain(success_criterion(d["retention"][sl], d["tool_follow"][sl], alpha=alpha))
+                    for sl in d["retention"] if sl in d["tool_follow"]}
+            if POOLED_SLICE in crit:
+                os_["criterion"] = crit.pop(POOLED_SLICE)
+            os_["criterion_by_formulation"] = crit
+    summary["holm_families"] = families_summary("finetune", applied)
+    return applied
 
 
 def two_proportion_holm(counts: Mapping[str, tuple[int, int]], family: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pandas as pd
 import pytest
 
 from conftest import PlainGenerator, ScriptedGenerator
-from memtoc import analyses, cache, metrics, stats, tables, vocab
+from memtoc import analyses, cache, intervals, metrics, stats, tables, vocab
 from memtoc import evaluation as ev
 from memtoc.benchmark import select_questions
 from memtoc.config import DEFAULTS, FORMULATIONS
@@ -375,7 +376,7 @@ def test_finetune_families_span_models_and_objectives():
     summ = {"models": {m: {"objectives": {o: {"deltas": {
         "retention": {"pooled": c(p), "reference": c(p)}, "tool_follow": {"pooled": c(0.5, -0.01)},
         "wrong_follow": {"pooled": c(0.01)}}} for o, p in (("sft", 0.01), ("dpo", 0.04))}} for m in ("a", "b")}}
-    applied = analyses.apply_finetune_families(summ)
+    applied = stats.apply_finetune_families(summ)
     fam = applied["finetune_retention"]["pooled"]
     assert set(fam) == {"a|sft", "a|dpo", "b|sft", "b|dpo"}
     assert fam["a|dpo"] == pytest.approx(0.08)            # 2 x 0.04 after the two 0.01s
@@ -424,3 +425,39 @@ def test_family_table_lists_every_member_of_every_slice():
     assert len(t) == 3 and set(t["slice"]) == {"pooled", "reference"}
     assert t.loc[(t["slice"] == "reference") & (t["member"] == "m1/warn"), "p_holm"].item() == 0.03
     assert tables.family_table({}).empty
+
+
+def test_rate_intervals_and_summarize_group_share_the_estimator():
+    """Where a unit table covers every question of the arm in every formulation (err_abstain: all
+    tool_error episodes), intervals.rate_intervals draws the same questions as
+    metrics.summarize_group and gives the same entries; where a metric's cell holds a subset of the
+    questions (retention), the rates agree and the intervals rest on other draws."""
+    d = metrics.synthetic_arm(60, seed=3)
+    sg = metrics.summarize_group(d, n_boot=300)
+    ri = intervals.rate_intervals(metrics.metric_units(d, "err_abstain"), FORMULATIONS, n_boot=300)
+    assert set(ri) == set(FORMULATIONS) | {"pooled"}
+    for f, iv in ri.items():
+        assert iv["value"] == pytest.approx(sg[f]["err_abstain"]["value"], abs=1e-15)
+        assert (iv["ci95"], iv["n"]) == (sg[f]["err_abstain"]["ci95"], sg[f]["err_abstain"]["n"]), f
+    assert ri["pooled"]["n_boot_used"] == sg["pooled"]["err_abstain"]["n_boot_used"] == 300
+    ret = intervals.rate_intervals(metrics.metric_units(d, "retention"), FORMULATIONS, n_boot=300)
+    assert all(ret[f]["value"] == pytest.approx(sg[f]["retention"]["value"]) for f in ret)
+    assert any(ret[f]["ci95"] != sg[f]["retention"]["ci95"] for f in ret)
+
+
+def test_the_analyses_package_keeps_every_name_its_callers_use():
+    """Every attribute of the analyses package named across memtoc/, notebooks/, tests/ and tools/
+    resolves, and the shared statistics are the bottom layer's own functions (re-exported, not
+    copied)."""
+    root = Path(__file__).resolve().parents[1]
+    used = set()
+    for folder in ("memtoc", "notebooks", "tests", "tools"):
+        for p in (root / folder).rglob("*"):
+            if p.suffix in (".py", ".ipynb") and p.is_file():
+                used |= set(re.findall(r"\banalyses\.([A-Za-z_]\w*)", p.read_text(errors="replace")))
+    used.discard("py")                                         # the old file name, in prose
+    assert {"contrast", "rate_intervals", "evaluation_summary"} <= used
+    assert not sorted(n for n in used if not hasattr(analyses, n))
+    for name in ("rate_intervals", "contrast", "apply_holm", "add_rates", "interval_obj"):
+        assert getattr(analyses, name) is getattr(intervals, name)
+    assert analyses.apply_finetune_families is stats.apply_finetune_families

@@ -315,3 +315,19 @@ def test_pooled_interval_reports_the_replicates_it_used_when_a_cell_is_small():
     assert small["n_boot_used"] == pooled["n_boot_used"]
     assert out["reference"]["retention"]["n_boot_used"] == 2000
     assert pooled["value"] == pytest.approx((10 / 30 + 10 / 30 + 1.0) / 3)
+
+
+def test_pooled_interval_drops_undefined_replicates_and_empty_formulations():
+    """The one pooled estimator: the unweighted mean of the formulations with a denominator; a
+    replicate is the mean of their replicates, undefined when any of them is; the percentile
+    interval rests on the defined replicates, counted in n_boot_used."""
+    reps = np.array([[0.1, 0.2, np.nan, 0.4, 0.3],        # reference
+                     [0.5, 0.6, 0.7, np.nan, 0.5],        # paraphrase_a
+                     [np.nan] * 5])                       # paraphrase_b: no unit at all
+    p = metrics.pooled_interval([0.2, 0.6, np.nan], reps, [10, 8, 0], alpha=0.5)
+    assert p.value == pytest.approx(0.4) and p.n == 18 and p.n_formulations == 2
+    assert p.n_boot_used == 3                             # replicates 0, 1, 4 are defined in both
+    defined = np.sort([0.3, 0.4, 0.4])                    # their means, sorted
+    assert (p.lo, p.hi) == (defined[int(0.25 * 3)], defined[min(2, int(0.75 * 3))])
+    one = metrics.pooled_interval([0.2], reps[:1], [10])
+    assert one.value == pytest.approx(0.2) and one.n_boot_used == 4

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memtoc import analyses, published, stats, verifycmd
+from memtoc import intervals, published, stats, verifycmd
 from memtoc.config import resolve_release_dir
 from memtoc.published import printed as printed_mod
 from memtoc.published.via import PIPELINE_MODULES, trace, via_pipeline
@@ -51,7 +51,7 @@ def test_compact_acceptance(result):
     assert s["layout"] == "compact" and s["by_status"]["MISMATCH"] == 0, s["mismatches"]
     t4 = [c for c in result.checks if c.family == "table4"]
     assert len(t4) == 64 and all(c.status == "MATCH" for c in t4)
-    assert all(c.via == "memtoc.analyses.arm_comparison" and "memtoc.analyses.rate_intervals" in c.calls for c in t4)
+    assert all(c.via == "memtoc.analyses.arms.arm_comparison" and "memtoc.intervals.rate_intervals" in c.calls for c in t4)
     assert s["by_status"]["UNPUBLISHED"] == 0
     assert s["n_via_pipeline"] > 0.8 * s["n_checks"] and s["n_checks"] >= 250
     assert s["disagreements"] and all(d["reason"] for d in s["disagreements"])
@@ -64,7 +64,7 @@ def test_sec5_4_deltas_are_question_paired_contrasts(rows):
         arm, col = key.split(".")
         c = rows[f"sec5_4.Llama-3.1-8B-Instruct.{arm}.{col}_delta"]
         assert (c.status, c.published, c.derived) == ("MATCH", val, val), c
-        assert "memtoc.analyses.contrast" in c.calls and "memtoc.stats.paired_contrast" in c.calls
+        assert "memtoc.intervals.contrast" in c.calls and "memtoc.stats.paired_contrast" in c.calls
     assert rows["sec5_4.retention_up_directions"].status == "MATCH"
     e = rows["sec5_4.err_abstain_reduced_by_every_strategy"]
     assert e.status == "DISAGREEMENT" and e.derived == "10 of 12" and "flag" in e.detail
@@ -150,14 +150,18 @@ def test_changed_printed_number_and_changed_release_are_caught(tmp_path, monkeyp
 
 
 def test_a_perturbed_contrast_fails_the_sec5_4_checks(monkeypatch):
-    """analyses.contrast returning +0.01 more moves exactly the checks computed through it."""
-    real = analyses.contrast
+    """intervals.contrast (where it is defined) returning +0.01 more moves exactly the checks computed
+    through it; the via-tracing records the real function, not the shim."""
+    real = intervals.contrast
 
     def shifted(*a, **k):
         r = real(*a, **k)
         return {**r, "delta": None if r["delta"] is None else r["delta"] + 0.01}
-    monkeypatch.setattr(analyses, "contrast", shifted)
+    monkeypatch.setattr(intervals, "contrast", shifted)
     res = published.verify_published()
+    sec = [c for c in res.checks if c.family == "sec5_4" and c.id.endswith("_delta")]
+    assert sec and all("memtoc.intervals.contrast" in c.calls and c.via == "memtoc.analyses.arms.arm_comparison"
+                       for c in sec)
     failed = {c.id for c in res.failures}
     assert {f"sec5_4.Llama-3.1-8B-Instruct.{k.split('.')[0]}.{k.split('.')[1]}_delta" for k in SEC5_4} <= failed
     assert all(c.status in ("MATCH", "ABSENT") for c in res.checks if c.family in ("table4", "table1"))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from .. import analyses, metrics, stats
+from .. import metrics, stats
+from ..analyses import arms
 from ..config import FORMULATIONS
 from ..vocab import BASELINE_ARM, HEADLINE_METRICS, POOLED, PROMPTING_ARMS, REFERENCE_FORMULATION
 from .frames import PV_FORMULATION, arm_blocks, arms_frame, release_frame
@@ -94,14 +95,14 @@ def table1_ids() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Table 4 and §5.4: notebook 03's prompting section (analyses.arm_comparison) on the release's arms
+# Table 4 and §5.4: notebook 03's prompting section (analyses.arms.arm_comparison) on the release's arms
 
 
 def prompting_sections(rd: ReleaseData) -> dict[str, Traced]:
-    """``{model: analyses.arm_comparison(...)}`` over untreated + the three strategies, judged layer,
+    """``{model: analyses.arms.arm_comparison(...)}`` over untreated + the three strategies, judged layer,
     every formulation: per-formulation and pooled rates, question-paired contrasts vs untreated."""
     am, n_err = rd.get("arm_metrics"), rd.analysis_set_size()
-    return {m: trace(analyses.arm_comparison, arms_frame(am, key, TABLE4_ARMS, n_err), PROMPTING_ARMS,
+    return {m: trace(arms.arm_comparison, arms_frame(am, key, TABLE4_ARMS, n_err), PROMPTING_ARMS,
                      HEADLINE_METRICS, "prompting", n_boot=N_BOOT, n_perm=N_PERM)
             for m, key in MODELS.items()}
 
@@ -124,7 +125,7 @@ def table4_ids() -> list[str]:
 
 def check_sec5_4(sections: dict[str, Traced], out: Collector) -> None:
     """§5.4: Llama's strategy-minus-untreated changes (the question-paired contrasts pooled over the
-    formulations' units, analyses.contrast) and the directions over the 12 model x strategy cells."""
+    formulations' units, intervals.contrast) and the directions over the 12 model x strategy cells."""
     prose = printed("prose")
     for arm in ("warn", "prior"):
         for col in ("ret", "tool", "err"):

@@ -12,8 +12,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-#: the modules whose functions count as "the pipeline" (the code notebooks 02-04 run)
-PIPELINE_MODULES: tuple[str, ...] = ("memtoc.metrics", "memtoc.stats", "memtoc.analyses", "memtoc.evaluation")
+#: the modules whose functions count as "the pipeline" (the code notebooks 02-04 run); a package
+#: (``memtoc.analyses``) counts with its modules
+PIPELINE_MODULES: tuple[str, ...] = ("memtoc.metrics", "memtoc.stats", "memtoc.intervals", "memtoc.analyses",
+                                     "memtoc.evaluation")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def trace(fn: Callable[..., Any], *args: Any, modules: Sequence[str] = PIPELINE_
     def hook(frame, event, arg):
         if event == "call":
             mod = frame.f_globals.get("__name__")
-            if mod in wanted:
+            if mod in wanted or (mod and mod.rpartition(".")[0] in wanted):
                 calls.append(f"{mod}.{frame.f_code.co_qualname}")
         if previous is not None:
             previous(frame, event, arg)
