@@ -483,7 +483,8 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
             os.environ[progress.ENV] = saved_env
 
 
-def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
+def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[Path, str | None]:
+    """Refuse stale inputs, write params.yaml and the running config.json; (params file, data digest)."""
     cfg_path = rd / "config.json"
     old: dict[str, Any] = {}
     if cfg_path.is_file():
@@ -504,88 +505,88 @@ def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], 
     params_file = rd / "params.yaml"
     atomic_write_text(params_file, "# Resolved parameters of this run, written by `memtoc run`; every notebook reads "
                       "this file.\n" + yaml.safe_dump(plain(params), sort_keys=False, allow_unicode=True))
-
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
     cfg.update({
-        "run_name": params["run_name"],
-        "run_dir": str(rd),
-        "params_file": str(params_file),
-        "params": params,
-        "only": only,
-        "provenance": prov,
-        "started": _now(),
-        "finished": None,
-        "status": "running",
-        "pid": os.getpid(),
-        "host": platform.node(),
-        "notebooks": [],
+        "run_name": params["run_name"], "run_dir": str(rd), "params_file": str(params_file), "params": params,
+        "only": only, "provenance": prov, "started": _now(), "finished": None, "status": "running",
+        "pid": os.getpid(), "host": platform.node(), "notebooks": [],
         # per stage: the parameters its current outputs were computed from (carried over between
         # invocations); `memtoc run` refuses to run a stage on inputs made with other parameters
         "stages": stages,
     })
-    # keep the history of earlier invocations of the same run (resumes, --only reruns)
-    if old:
+    if old:   # keep the history of earlier invocations of the same run (resumes, --only reruns)
         carry_history(old, cfg)
     write_json(cfg_path, cfg)
+    return params_file, digest
 
-    to_run = [s for s in steps if s.run]
-    echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
-    t_run = time.perf_counter()
-    k = 0
-    progress_file = rd / progress.PROGRESS_NAME
-    os.environ[progress.ENV] = str(progress_file)
-    for s in steps:
-        entry: dict[str, Any] = {"notebook": s.name, "source": str(s.path) if s.path else None}
-        if not s.run:
-            entry.update(status="skipped", reason=s.reason)
-            echo(f"  - {s.name}: skipped ({s.reason})")
-            cfg["notebooks"].append(entry)
-            write_json(cfg_path, cfg)
-            continue
-        k += 1
-        dst = rd / "notebooks" / s.path.name
-        entry.update(executed=str(dst), started=_now(), status="running")
-        cfg["notebooks"].append(entry)
+
+def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_file: Path, executor, echo,
+                  log_output: bool, t_run: float) -> dict[str, Any]:
+    """Run one notebook, recording it in config.json; returns its entry (status ok) or raises."""
+    cfg_path, progress_file = rd / "config.json", rd / progress.PROGRESS_NAME
+    dst = rd / "notebooks" / s.path.name
+    entry: dict[str, Any] = {"notebook": s.name, "source": str(s.path), "executed": str(dst), "started": _now(),
+                             "status": "running"}
+    cfg["notebooks"].append(entry)
+    write_json(cfg_path, cfg)
+    echo(f"  {label} ...")
+    t0 = time.perf_counter()
+    progress_file.unlink(missing_ok=True)
+    watcher = progress.Watcher(progress_file, echo, prefix=f"      {label}: ")
+    watcher.start()
+    try:
+        executor(s.path, dst, params_file, log_output)
+    except KeyboardInterrupt:
+        entry.update(status="interrupted", seconds=round(time.perf_counter() - t0, 1), finished=_now())
+        cfg.update(status="interrupted", finished=_now())
         write_json(cfg_path, cfg)
-        label = f"[{k}/{len(to_run)}] {s.name}"
-        echo(f"  {label} ...")
-        t0 = time.perf_counter()
-        progress_file.unlink(missing_ok=True)
-        watcher = progress.Watcher(progress_file, echo, prefix=f"      {label}: ")
-        watcher.start()
-        try:
-            executor(s.path, dst, params_file, log_output)
-        except KeyboardInterrupt:
-            entry.update(status="interrupted", seconds=round(time.perf_counter() - t0, 1), finished=_now())
-            cfg.update(status="interrupted", finished=_now())
-            write_json(cfg_path, cfg)
-            echo(f"  interrupted during {s.name}; rerun the same command to resume from the cache")
-            raise
-        except OSError:
-            raise
-        except Exception as e:  # papermill raises PapermillExecutionError; anything else is a failure too
-            secs = round(time.perf_counter() - t0, 1)
-            for line in notebook_notices(dst):
-                echo(f"      {line}")
-            entry.update(status="failed", seconds=secs, finished=_now(), error=_error_summary(e))
-            cfg.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
-            write_json(cfg_path, cfg)
-            raise PipelineError(f"notebook {s.name} failed after {secs:.0f} s ({_error_summary(e)}); "
-                                f"see the executed copy {dst}") from None
-        finally:
-            watcher.stop()
-            progress_file.unlink(missing_ok=True)
+        echo(f"  interrupted during {s.name}; rerun the same command to resume from the cache")
+        raise
+    except OSError:
+        raise
+    except Exception as e:  # papermill raises PapermillExecutionError; anything else is a failure too
         secs = round(time.perf_counter() - t0, 1)
         for line in notebook_notices(dst):
             echo(f"      {line}")
-        entry.update(status="ok", seconds=secs, finished=_now())
-        stages[s.name] = stage_record(params, s.number, digest, entry["finished"])
+        entry.update(status="failed", seconds=secs, finished=_now(), error=_error_summary(e))
+        cfg.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
         write_json(cfg_path, cfg)
-        echo(f"      {s.name} done in {secs:.1f} s")
+        raise PipelineError(f"notebook {s.name} failed after {secs:.0f} s ({_error_summary(e)}); "
+                            f"see the executed copy {dst}") from None
+    finally:
+        watcher.stop()
+        progress_file.unlink(missing_ok=True)
+    secs = round(time.perf_counter() - t0, 1)
+    for line in notebook_notices(dst):
+        echo(f"      {line}")
+    entry.update(status="ok", seconds=secs, finished=_now())
+    echo(f"      {s.name} done in {secs:.1f} s")
+    return entry
+
+
+def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
+    cfg_path = rd / "config.json"
+    params_file, digest = _start_record(params, only, steps, rd, cfg)
+    to_run = [s for s in steps if s.run]
+    echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
+    t_run = time.perf_counter()
+    os.environ[progress.ENV] = str(rd / progress.PROGRESS_NAME)
+    k = 0
+    for s in steps:
+        if not s.run:
+            cfg["notebooks"].append({"notebook": s.name, "source": str(s.path) if s.path else None,
+                                     "status": "skipped", "reason": s.reason})
+            echo(f"  - {s.name}: skipped ({s.reason})")
+            write_json(cfg_path, cfg)
+            continue
+        k += 1
+        entry = _execute_step(s, f"[{k}/{len(to_run)}] {s.name}", rd, cfg, params_file, executor, echo,
+                              log_output, t_run)
+        cfg["stages"][s.name] = stage_record(params, s.number, digest, entry["finished"])
+        write_json(cfg_path, cfg)
     cfg.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
     write_json(cfg_path, cfg)
     echo(f"memtoc run: done in {cfg['seconds']:.1f} s; config: {cfg_path}")
