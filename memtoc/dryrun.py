@@ -356,10 +356,12 @@ def estimate_agent(ctx: Context, step) -> StagePlan:
     a = agent_core.agent_params(ctx.params)
     device = "server" if a["runtime"] == "openai" else ctx.device
     plan = StagePlan(step.name, True, device=device, backend=a["runtime"],
-                     data=f"{a['condition']} returns, slices {list(a['slices'])}")
+                     data=f"{'/'.join(a['conditions'])} returns, slices {list(a['slices'])}")
     plan.lines.append(f"  {step.name:<18} agent episodes per model (questions x formulations x schema variants x "
                       f"{len(a['protocols'])} protocols), model requests at most; runtime {a['runtime']}, "
-                      f"{a['max_tokens_per_call']} tokens per call; returns: {a['condition']}")
+                      f"{a['max_tokens_per_call']} tokens per call; returns: {', '.join(a['conditions'])} "
+                      f"(the first reported), plus {len(a['adapters'])} adapter arm(s)"
+                      + (f" and {len(a['sampling']['seeds'])} sampling seed(s)" if a["sampling"] else ""))
     rows = []
     for spec in ctx.specs:
         aq = agent_core.planned_requests(ctx.params, spec.name)

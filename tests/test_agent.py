@@ -218,10 +218,20 @@ def test_other_invalid_calls(tmp_path):
     assert rec["termination"] == "invalid_call" and rec["mechanisms"]["other_invalid"] and rec["n_call_attempts"] == 2
 
 
-def test_guided_without_a_call_is_no_call_and_t4(tmp_path):
+def test_guided_without_a_call_is_invalid_call_as_protocol_s8(tmp_path):
+    """PROTOCOL §8: "assistant message with no tool calls -> final ... Exception: a1 with a tool
+    available but no call made yet -> invalid_call" (a1 = guided; two_stage after YES forces the same call)."""
     rec, rt = run_one(spec("guided"), lambda r, t: "FINAL: Jane Doe", tmp_path)
-    assert rec["termination"] == "no_call" and rec["mechanisms"]["T4"] and not rec["agreement"]
+    assert rec["termination"] == "invalid_call" and "PROTOCOL §8" in rec["why"]
+    assert rec["mechanisms"]["T4"] and not rec["mechanisms"]["other_invalid"] and not rec["agreement"]
     assert json.loads(rt.seen[0][1]) == {"type": "function", "function": {"name": "find_person"}}
+    rec, _ = run_one(spec("two_stage", question="Who is Y?"), lambda r, t: "YES" if t == 1 else "FINAL: Jane Doe",
+                     tmp_path)
+    assert rec["decision"] == "yes" and rec["termination"] == "invalid_call" and rec["mechanisms"]["T4"]
+    rec, _ = run_one(spec("auto", question="Who is Z?"), lambda r, t: "FINAL: Jane Doe", tmp_path)
+    assert rec["termination"] == "final" and rec["agreement"]                     # a2 (auto): a final answer
+    assert protocols.TERMINATIONS == ("final", "invalid_call", "max_calls", "max_tokens")
+    assert spec("guided").termination_rules == "protocol-s8"                      # older traces' episodes re-run
 
 
 def test_a_call_after_the_budget_is_max_calls(tmp_path):
@@ -462,3 +472,179 @@ def test_memory_right_questions_come_from_02s_answers(tmp_path):
     assert core.questions_for(RunConfig.of(dict(cfg5, run_dir=tmp_path / "none")), "m", bench, ["reference"]) == pool[:5]
     with pytest.raises(ConfigError, match="both 0"):
         core.agent_params(dict(P, agent={"n_questions": 0}))
+
+
+# ================================================================================================
+# the paper's intervals and contrasts (App. G: percentile bootstrap, B = 2,000; guided -> auto)
+
+def _units(values, form="reference"):
+    import pandas as pd
+    return pd.DataFrame({"formulation": form, "qkey": [f"q{i:02d}" for i in range(len(values))],
+                         "value": [float(v) for v in values]})
+
+
+def test_percentile_bootstrap_is_numpys_percentile_of_resampled_means():
+    import numpy as np
+    from memtoc.agent.contrasts import percentile_bootstrap
+    v = np.array([1, 0, 1, 1, 0, 1, 1, 1, 0, 1], float)
+    rng = np.random.default_rng(7)
+    means = np.array([v[rng.integers(0, v.size, size=v.size)].mean() for _ in range(2000)])
+    assert percentile_bootstrap(v, 2000, seed=7) == pytest.approx(list(np.percentile(means, [2.5, 97.5])))
+    assert percentile_bootstrap([], 2000) == [None, None]
+
+
+def test_percentile_rates_pool_per_question_means():
+    import numpy as np
+    import pandas as pd
+    from memtoc.agent.contrasts import percentile_bootstrap, percentile_rates
+    u = pd.concat([_units([1, 1, 0, 1]), _units([1, 0, 0, 1], "paraphrase_a")])
+    r = percentile_rates(u, ["reference", "paraphrase_a"], n_boot=500, seed=3)
+    assert r["reference"]["value"] == 0.75 and r["paraphrase_a"]["value"] == 0.5 and r["reference"]["n"] == 4
+    per_q = np.array([1.0, 0.5, 0.0, 1.0])                                       # q00..q03, mean over forms
+    assert r["pooled"]["value"] == 0.625 and r["pooled"]["n"] == 8 and r["pooled"]["n_questions"] == 4
+    assert r["pooled"]["ci95"] == pytest.approx(percentile_bootstrap(per_q, 500, 3))
+
+
+def test_guided_to_auto_contrast_and_interval_by_hand(tmp_path):
+    import numpy as np
+    from memtoc.agent.contrasts import percentile_bootstrap
+    recs = []
+    auto_agrees = [True, False, True, False, False]
+    for i, ok in enumerate(auto_agrees):
+        q = f"Who is {i}?"
+        recs.append(run_one(spec("guided", question=q), lambda r, t: CALL if t == 1 else "FINAL: Jane Doe", tmp_path)[0])
+        recs.append(run_one(spec("auto", question=q),
+                            lambda r, t, ok=ok: "FINAL: Jane Doe" if ok else CALL.replace("find_person", "x"),
+                            tmp_path)[0])
+    df = metrics.episodes_frame(recs)
+    s = metrics.summarize_model(df, ["reference"], protocols=["guided", "auto"], n_boot=2000, n_perm=500)
+    c = s["all"]["release"]["contrasts"]["guided_to_auto"]["answer_agreement"]
+    d = np.array([0.0 if ok else -1.0 for ok in auto_agrees])                   # qkeys sort as the questions
+    assert c["delta"] == pytest.approx(d.mean()) == pytest.approx(-0.6)
+    assert c["ci95"] == pytest.approx(percentile_bootstrap(d, 2000, 0)) and c["n_units"] == 5
+    assert c["treatment"] == "auto" and c["baseline"] == "guided" and c["bootstrap"] == "percentile"
+    assert 0 < c["p"] <= 1
+    ex = s["all"]["release"]["contrasts"]["guided_to_auto"]["tool_execution_rate"]
+    assert ex["delta"] == pytest.approx(-1.0)                                   # auto never executed
+    assert set(s["all"]["release"]["contrasts"]) == {"guided_to_auto"}           # only protocols that ran
+    cl = metrics.summarize_model(df, ["reference"], protocols=["guided", "auto"], n_boot=200, n_perm=100,
+                                 bootstrap="cluster")["all"]["release"]["contrasts"]["guided_to_auto"]
+    assert cl["answer_agreement"]["delta"] == pytest.approx(-0.6) and cl["answer_agreement"]["bootstrap"] == "cluster"
+    tab = metrics.contrast_table({"models": {"m": {"slices": s}}}, "all")
+    assert set(tab["contrast"]) == {"guided_to_auto"} and len(tab) == 2
+
+
+# ================================================================================================
+# the return per params file, the extra arms' parameters
+
+def test_default_return_per_params_file():
+    from memtoc.config import REPO_ROOT
+    got = {f: core.agent_params(load_params(REPO_ROOT / "params" / f), f)
+           for f in ("default.yaml", "full.yaml", "paper.yaml", "smoke.yaml", "agent.yaml")}
+    assert all(a.conditions[0] == "tool_right" for a in got.values())           # the paper's return is reported
+    assert got["agent.yaml"].conditions == ("tool_right", "tool_wrong")          # the distractor as an extra arm
+    for f in ("paper.yaml", "agent.yaml", "full.yaml"):
+        assert got[f].bootstrap == "percentile" and got[f].n_boot == 2000, f
+    assert got["paper.yaml"].adapters == ({"objective": "dpo", "fold": 0}, {"objective": "dpo", "fold": 1})
+    assert all(a.sampling is None for a in got.values())
+    q = type("Q", (), {"gold": "G", "near": "N"})()
+    assert core.observation(q, "tool_right")[0] == "G" and core.observation(q, "tool_wrong")[0] == "N"
+
+
+def test_agent_arm_parameters_are_checked():
+    ok = core.agent_params(load_params(None, overrides={"agent": {
+        "conditions": ["tool_wrong", "tool_right"], "bootstrap": "cluster", "runtime": "openai",
+        "sampling": {"temperature": 0.7, "seeds": [0, 1, 2]}}}))
+    assert ok.conditions == ("tool_wrong", "tool_right") and ok.sampling == {"temperature": 0.7, "seeds": [0, 1, 2]}
+    for bad, field in (({"conditions": []}, "agent.conditions"), ({"conditions": ["tool_far"]}, "agent.conditions"),
+                       ({"conditions": ["tool_right", "tool_right"]}, "agent.conditions"),
+                       ({"bootstrap": "bca"}, "agent.bootstrap"),
+                       ({"adapters": [{"objective": "ppo", "fold": 0}]}, "agent.adapters"),
+                       ({"adapters": [{"objective": "dpo"}]}, "agent.adapters"),
+                       ({"adapters": [{"objective": "dpo", "fold": 0}], "runtime": "openai"}, "agent.adapters"),
+                       ({"sampling": {"temperature": 0.7, "seeds": [0]}}, "agent.sampling"),      # in-process
+                       ({"sampling": {"temperature": 0, "seeds": [0]}, "runtime": "openai"}, "agent.sampling"),
+                       ({"condition": "tool_wrong"}, "condition")):
+        with pytest.raises(ConfigError, match=field):
+            core.agent_params(load_params(None, overrides={"agent": bad}))
+
+
+def test_adapter_arm_runs_held_out_questions_and_skips_absent_adapters(tmp_path, monkeypatch):
+    from memtoc import models
+    from memtoc.agent import stage
+    from memtoc.records import Question
+    P = dict(load_params(None, overrides={"agent": {"n_questions": 4, "protocols": ["guided", "auto"],
+                                                    "adapters": [{"objective": "dpo", "fold": 0},
+                                                                 {"objective": "dpo", "fold": 1},
+                                                                 {"objective": "sft", "fold": 0}]}}),
+             run_dir=tmp_path)
+    cfg = RunConfig.of(P)
+    model = cfg.agent.models[0]
+    label = models.get_model(model).label
+    for fold in (0, 1):                                   # 04's dpo adapters; sft was never trained
+        d = cfg.paths.adapter(label, "dpo", fold)
+        d.mkdir(parents=True)
+        (d / "adapter_config.json").write_text("{}")
+        (d / "adapter_model.safetensors").write_bytes(b"x")
+    qs = [Question(f"{i}.0", i, 0, f"k{i}", f"Who is {i}?", "John Roe", "person", "r", "Jane Doe", "Jane Doe", None,
+                   fold=i % 2) for i in range(4)]
+    seen = []
+
+    def fake_runtime(cfg_, model_, adapter=None, seed=None):
+        seen.append(adapter)
+        rt = Scripted(lambda r, t: CALL if t == 1 and r.tool_choice != "none" else "FINAL: John Roe")   # the gold
+        rt.identity = {"adapter": str(adapter)}
+        return rt
+    monkeypatch.setattr(stage, "runtime_for", fake_runtime)
+    memory = __import__("pandas").DataFrame([{"formulation": f, "qkey": q.qkey, "span": "John Roe",
+                                              "memory_correct": True, "mem_absent": False}
+                                             for q in qs for f in cfg.agent.formulations])
+    arm = {"cfg": cfg, "model": model, "questions": qs, "memory": memory, "forms": list(cfg.agent.formulations),
+           "show_progress": False}
+    base = core.build_specs(model, qs, memory, cfg.agent, arm["forms"], "base")
+    base_recs = run_episodes(Scripted(lambda r, t: "FINAL: x"), base, traces.Trace(tmp_path / "b.jsonl"))["records"]
+    notices, logged = [], []
+    out = stage.adapter_arms(arm, base_recs, notices, logged.append)
+    assert seen == [cfg.paths.adapter(label, "dpo", 0), cfg.paths.adapter(label, "dpo", 1)]
+    assert len(notices) == 1 and "sft fold 0 skipped" in notices[0] and logged
+    folds = out["dpo"]["folds"]
+    assert [(f["fold"], f["questions"]) for f in folds] == [(0, 2), (1, 2)]    # the other fold's questions
+    assert cfg.paths.agent_arm_traces(model, "dpo-fold0").is_file()
+    auto = out["dpo"]["slices"]["all"]["release"]["protocols"]["auto"]
+    assert auto["n_questions"] == 4 and auto["answer_agreement"]["pooled"]["value"] == 1.0
+    vb = out["dpo"]["versus_base"]["all"]["release"]["auto"]["answer_agreement"]
+    assert vb["delta"] == 1.0 and vb["treatment"] == "adapter" and vb["n_units"] == 4 * len(arm["forms"])
+
+
+# ================================================================================================
+# the runtime's caches: one look-up path, files written before still read
+
+def test_server_cache_written_before_is_read_and_sampling_changes_the_body(tmp_path):
+    from memtoc import cache as _cache
+    rt = OpenAIRuntime("qwen2.5-7b-instruct", base_url="http://127.0.0.1:9/v1", server="vllm", cache_dir=tmp_path)
+    req = ChatRequest([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], None, "auto", 16)
+    _, body = rt.request_body(req)
+    assert body["temperature"] == 0 and isinstance(body["temperature"], int)
+    old_key = _cache.request_key(rt.identity, _cache.canonical_json(body))        # the formula files were keyed by
+    data = {"choices": [{"message": {"content": "FINAL: Paris"}, "finish_reason": "stop"}], "usage": {}}
+    _cache.append_records(tmp_path / "generations_openai.jsonl", [{"key": old_key, "text": "FINAL: Paris",
+                                                                    "response": data, "seconds": 0.5}])
+    got = rt.chat_many([req])[0]                                                   # port 9: a request would fail
+    assert got.cached and got.content == "FINAL: Paris" and got.seconds == 0.5
+    t = OpenAIRuntime("qwen2.5-7b-instruct", base_url="http://127.0.0.1:9/v1", server="vllm", seed=1, temperature=0.7)
+    assert t.request_body(req)[1]["temperature"] == 0.7 and t.request_body(req)[1]["seed"] == 1
+    assert t.identity["temperature"] == 0.7 and "temperature" not in rt.identity
+
+
+def test_constrained_cache_key_is_the_one_written_before(tmp_path):
+    from memtoc import cache as _cache
+    ident, lib, schema = {"model": "m"}, {"library": "llguidance", "version": "1"}, {"type": "object"}
+    old = _cache.request_key({"generator": ident, "constrained": lib, "json_options": runtime.JSON_OPTIONS,
+                              "schema": schema, "max_tokens": 64, "tie_margin": runtime.TIE_MARGIN}, "prompt<call>")
+    assert runtime.constrained_key(ident, lib, runtime.JSON_OPTIONS, schema, 64, runtime.TIE_MARGIN,
+                                   "prompt<call>") == old
+    path = tmp_path / "constrained.jsonl"
+    _cache.append_records(path, [{"key": old, "text": "x", "n_prompt_tokens": 1, "n_new_tokens": 1, "finish": "complete"}])
+    cache = runtime.ReplyCache(path)
+    assert cache.get(old)["text"] == "x" and cache.get_many([old, "other"]).keys() == {old}
+    assert runtime.ReplyCache(None).get(old) is None

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from memtoc import models
-from memtoc.agent import core, protocols, runtime, tools, traces
+from memtoc.agent import core, protocols, runtime, stage, tools, traces
 from memtoc.agent.protocols import TERMINATIONS, EpisodeSpec, run_episodes
 from memtoc.benchmark import load_benchmark, select_questions
 from memtoc.config import load_params
@@ -86,7 +86,7 @@ def test_stage_writes_the_agent_summary(tmp_path):
         "n_perm": 100, "agent": {"n_questions": 2, "protocols": ["guided", "auto", "auto_constrained"],
                                  "schema_variants": ["release"], "max_tokens_per_call": 40,
                                  "max_tokens_per_episode": 120}})
-    s = core.run(P, show_progress=False, log=lambda *a: None)
+    s = stage.run(P, show_progress=False, log=lambda *a: None)
     on_disk = json.loads((tmp_path / "ag" / "summaries" / "agent.json").read_text())
     assert on_disk["models"][MODEL]["support"]["episodes"] == 6 and "EMBEDDED-MODEL" in on_disk["caveat"]
     node = on_disk["models"][MODEL]["slices"]["all"]["release"]
@@ -97,6 +97,10 @@ def test_stage_writes_the_agent_summary(tmp_path):
         assert set(node["protocols"][p]["mechanisms"]) == set(protocols.MECHANISMS)
     assert node["protocols"]["guided"]["tool_execution_rate"]["pooled"]["value"] == 1.0
     assert set(node["repair"]) == {"answer_agreement", "tool_execution_rate"}
+    assert set(node["contrasts"]) == {"guided_to_auto"} and node["contrasts"]["guided_to_auto"]["answer_agreement"]["ci95"]
+    assert on_disk["config"]["conditions"] == ["tool_right"] and on_disk["config"]["bootstrap"] == "percentile"
+    assert on_disk["models"][MODEL]["adapters"] == {} and on_disk["models"][MODEL]["sampling"] is None
+    assert (tmp_path / "ag" / "agent" / MODEL / "cache" / "constrained.jsonl").is_file()
     assert on_disk["constrained_decoding"]["library"] == "llguidance" and on_disk["published"]["rows"]
     assert s["models"][MODEL]["resumed"]["ran"] == 6 and s["timing"]["constrained_decoding"][MODEL]["tokens"] > 0
     assert core.plot(s, tmp_path / "f.png").stat().st_size > 5000

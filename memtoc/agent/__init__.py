@@ -6,30 +6,37 @@ Modules
     ``parsers``    tool-call formats per model family (Hermes/Qwen, Llama-3 JSON, Mistral, the
                    documented SmolLM2 ``<tools>`` / ``<tool_call>`` text format)
     ``runtime``    one ``chat(messages, tools, tool_choice)`` interface: in-process transformers
-                   (schema-constrained calls with llguidance) and OpenAI-compatible servers
+                   (schema-constrained calls with llguidance) and OpenAI-compatible servers (a package:
+                   base, render, constrained, inprocess, server, caching)
     ``protocols``  guided / auto / two_stage / oracle / auto_constrained as episode state machines,
                    terminations and mechanisms, the round-based loop
     ``traces``     resumable JSONL traces (one event per line, message hashes)
-    ``metrics``    agreement, execution, their gap, terminations, mechanisms, the repair delta, with
-                   question-cluster bootstrap intervals (``memtoc.stats`` via ``memtoc.analyses``)
-    ``core``       episodes, ``run(cfg)``, ``summaries/agent.json``, the figure (the ``agent:`` block:
+    ``metrics``    agreement, execution, their gap, terminations, mechanisms, the protocol contrasts and
+                   the repair delta
+    ``contrasts``  the paper's percentile bootstrap beside memtoc's cluster bootstrap; paired contrasts
+    ``core``       episodes, specs, runtimes, the summary's blocks, the figure (the ``agent:`` block:
                    ``memtoc.blockconfig.AgentConfig``)
+    ``stage``      ``run(cfg)``: every condition, the adapter and sampling arms, ``summaries/agent.json``
 """
 from __future__ import annotations
 
+from .contrasts import PROTOCOL_CONTRASTS, percentile_bootstrap
 from .core import (AgentConfig, AgentError, agent_params, build_specs, episodes, formulations_of, plot,
-                   published_block, read_summary, run)
-from .metrics import METRIC_DOC, SLICES, episodes_frame, published_table, repair_table, summary_table
+                   published_block, read_summary)
+from .metrics import (METRIC_DOC, SLICES, contrast_table, episodes_frame, published_table, repair_table,
+                      summary_table)
 from .parsers import FORMATS, Parsed, ToolCall, ToolFormat, format_for, get_format
 from .protocols import (AGENT_SYSTEM, MECHANISMS, PROTOCOLS, TERMINATIONS, EpisodeRun, EpisodeSpec, parse_decision,
                         run_episodes, system_prompt)
 from .runtime import (AgentRuntimeError, ChatRequest, ChatResponse, OpenAIRuntime, ProtocolUnsupported, Runtime,
                       TransformersRuntime, detect_server, make_runtime, render_messages)
 from .tools import SCHEMA_VARIANTS, FixtureTool, episode_schema, oracle_arguments, typed_schema, validate_call
+from .stage import run
 from .traces import Trace
 
 __all__ = ["AgentConfig", "AgentError", "agent_params", "build_specs", "episodes", "formulations_of",
-           "plot", "published_block", "read_summary", "run", "METRIC_DOC", "SLICES", "episodes_frame",
+           "plot", "published_block", "read_summary", "run", "METRIC_DOC", "SLICES", "contrast_table", "episodes_frame",
+           "PROTOCOL_CONTRASTS", "percentile_bootstrap",
            "published_table", "repair_table", "summary_table", "FORMATS", "Parsed", "ToolCall", "ToolFormat",
            "format_for", "get_format", "AGENT_SYSTEM", "MECHANISMS", "PROTOCOLS", "TERMINATIONS",
            "EpisodeRun", "EpisodeSpec", "parse_decision", "run_episodes", "system_prompt",

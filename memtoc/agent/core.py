@@ -6,10 +6,14 @@ questions of the run's stratified selection (plus up to ``agent.memory_right_que
 run's questions that 02 found memory-right for the model: :func:`questions_for`), their forced closed-book answers (through the run's
 generator and generation cache: served by notebook 02's cache when it ran; written to
 ``agent/<model>/closed_book_forced.jsonl``, never over 02's file), one episode per question ×
-formulation × schema variant × protocol on ``agent.condition`` (default ``tool_wrong``: the tool
-returns the near distractor), run by the runtime (``agent.runtime``) and logged to
-``agent/<model>/traces.jsonl`` (resumable; the runtime's replies are cached under
-``agent/<model>/cache/``), then ``summaries/agent.json`` and ``figures/agent_agreement_execution.png``.
+formulation × schema variant × protocol × condition of ``agent.conditions`` (default ``tool_right``,
+the paper's: the tool returns the gold value, so on the memory-right slice the return and the model's
+own answer coincide; the first condition is reported, the rest are extra arms), run by the runtime
+(``agent.runtime``) and logged to ``agent/<model>/traces.jsonl`` (resumable; the runtime's replies are
+cached under ``agent/<model>/cache/``), then ``summaries/agent.json`` and
+``figures/agent_agreement_execution.png``. Extra arms (:mod:`memtoc.agent.arms`): 04's adapters
+(``agent.adapters``) and the sampling rerun (``agent.sampling``), each logged to
+``agent/<model>/arms/<arm>/traces.jsonl``.
 
 ``summaries/agent.json`` (``schema_version`` 1)::
 
@@ -18,15 +22,21 @@ returns the near distractor), run by the runtime (``agent.runtime``) and logged 
     /models/<model>/runtime   what ran (kind, tool format, prompt layout, capabilities)
     /models/<model>/support   {questions, memory_right_added, formulations, memory_right: {form: n}, episodes}
     /models/<model>/resumed   {finished, ran, dropped_events, ...} (the trace on open)
-    /models/<model>/slices/<memory_right|all>/<schema_variant>/protocols/<protocol>/
+    /models/<model>/slices/<memory_right|all>/<schema_variant>/protocols/<protocol>/   (the first condition)
         answer_agreement | tool_execution_rate | agreement_minus_execution | kept_memory | final_correct
-                                 /<formulation|pooled> {value, ci95, n[, n_boot_used]}
-        terminations/<final|invalid_call|no_call|max_calls|max_tokens> {count, rate}
+                                 /<formulation|pooled> {value, ci95, n[, n_boot_used | n_questions]}
+        terminations/<final|invalid_call|max_calls|max_tokens> {count, rate}
         mechanisms/<T1|T2|T3|T4|other_invalid> {count, rate}
         type_errors {total, calls_validated, per_call_mean, max_per_call, coercible, calls_with_type_errors}
         n_episodes, n_questions, tokens_mean
     /models/<model>/slices/<slice>/<schema_variant>/repair/<answer_agreement|tool_execution_rate>
-                                 contrast (auto_constrained − auto): delta, ci95, p, n_units, ...
+                                 contrast (auto_constrained − auto): delta, ci95, p, n_units, bootstrap, ...
+    /models/<model>/slices/<slice>/<schema_variant>/contrasts/<guided_to_auto|guided_to_two_stage|
+                                 auto_to_two_stage>/<answer_agreement|tool_execution_rate>   (the same form)
+    /models/<model>/conditions/<condition>/slices/...   every further condition (extra arms)
+    /models/<model>/adapters/<objective>/{folds, slices, versus_base}   04's adapters in the loop
+    /models/<model>/sampling/{temperature, seeds/<seed>/slices}          the sampling rerun
+    /models/<model>/notices   arms skipped (an adapter 04 did not write), with the reason
     /published   the paper's Table 7 block (release file), for comparison only
     /timing      seconds per model {closed_book, episodes (runtime load included), total}, and
                  /timing/constrained_decoding/<model>: the grammar's measured cost (mask_ms_per_token,
@@ -35,24 +45,22 @@ returns the near distractor), run by the runtime (``agent.runtime``) and logged 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from .. import elicitation, models, progress
-from ..benchmark import load_benchmark, select_questions
+from .. import elicitation, models
+from ..benchmark import select_questions
 from ..cache import canonical_json, sha256_text
 from ..blockconfig import AgentConfig
 from ..config import MemtocError, resolve_release_dir
 from ..figures import save as save_figure
-from ..io import write_json
 from ..prompts import error_payload, value_output
-from ..runconfig import RunConfig
+from ..runconfig import RunConfig, RunPaths
 from .metrics import METRIC_DOC, episodes_frame, in_slice, summarize_model, summary_table
-from .protocols import PROTOCOLS, EpisodeSpec, run_episodes
+from .protocols import PROTOCOLS, EpisodeSpec
 from .runtime import JSON_OPTIONS, Runtime, constrained_library, make_runtime
 from .tools import episode_schema
 from .traces import Trace
@@ -100,8 +108,9 @@ def planned_requests(cfg: RunConfig, model: str) -> dict[str, int]:
         return {"episodes": 0, "requests_max": 0}
     per_q = len(formulations_of(cfg, model)) * len(a.schema_variants)
     n = a.n_questions + min(a.memory_right_questions, cfg.n_questions)   # at most
-    return {"episodes": n * per_q * len(a.protocols),
-            "requests_max": n * per_q * sum(REQUESTS_MAX[p] for p in a.protocols)}
+    passes = len(a.conditions) + len(a.adapters) + (len(a.sampling["seeds"]) if a.sampling else 0)
+    return {"episodes": passes * n * per_q * len(a.protocols),
+            "requests_max": passes * n * per_q * sum(REQUESTS_MAX[p] for p in a.protocols)}
 
 
 def formulations_of(cfg: RunConfig, model: str) -> list[str]:
@@ -147,11 +156,10 @@ def questions_for(cfg: RunConfig, model: str, bench, formulations: Sequence[str]
 def memory_for(cfg: RunConfig, model: str, questions, formulations: Sequence[str]) -> pd.DataFrame:
     """Forced closed-book answers of ``model`` on the agent's questions, through the run's generator
     and cache (served by notebook 02's cache when it ran); written under ``agent/<model>/``."""
-    rd = cfg.run_dir
     gen = models.load_generator(model, **cfg.generator_kwargs())
     try:
-        return elicitation.elicit(gen, model, questions, formulations, "forced", rd, matcher=cfg.matcher,
-                                  scored_file=rd / "agent" / model / "closed_book_forced.jsonl")
+        return elicitation.elicit(gen, model, questions, formulations, "forced", cfg.run_dir, matcher=cfg.matcher,
+                                  scored_file=cfg.paths.agent_closed_book(model))
     finally:
         gen.close()
 
@@ -167,12 +175,14 @@ def runtime_key(rt: Runtime) -> str:
 
 
 def build_specs(model: str, questions, memory: pd.DataFrame, a: AgentConfig, formulations: Sequence[str],
-                runtime: str, matcher: str = "paper") -> list[EpisodeSpec]:
-    """One EpisodeSpec per question × formulation × schema variant × protocol (that order)."""
+                runtime: str, matcher: str = "paper", condition: Optional[str] = None) -> list[EpisodeSpec]:
+    """One EpisodeSpec per question × formulation × schema variant × protocol (that order), on
+    ``condition`` (default: the reported one, ``agent.conditions[0]``)."""
+    condition = condition or a.conditions[0]
     mem = {(r.formulation, r.qkey): r for r in memory.itertuples()}
     specs = []
     for q in questions:
-        tool_value, obs = observation(q, a.condition)
+        tool_value, obs = observation(q, condition)
         for form in formulations:
             m = mem.get((form, q.qkey))
             span = "" if m is None or not isinstance(m.span, str) else m.span
@@ -184,24 +194,28 @@ def build_specs(model: str, questions, memory: pd.DataFrame, a: AgentConfig, for
                     specs.append(EpisodeSpec(
                         model=model, protocol=p, formulation=form, schema_variant=variant, schema_kind=kind,
                         question_id=q.id, qkey=q.qkey, instance_id=q.instance_id, question=q.question, gold=q.gold,
-                        gold_kind=q.gold_kind, condition=a.condition, tool_value=tool_value, observation=obs,
+                        gold_kind=q.gold_kind, condition=condition, tool_value=tool_value, observation=obs,
                         schema=schema, memory_span=span, memory_correct=mc, mem_absent=absent,
                         max_calls=a.max_calls, max_tokens_per_call=a.max_tokens_per_call,
                         max_tokens_per_episode=a.max_tokens_per_episode, matcher=matcher, runtime=runtime))
     return specs
 
 
-def runtime_for(cfg: RunConfig, model: str) -> Runtime:
+def runtime_for(cfg: RunConfig, model: str, adapter: Optional[Path] = None, seed: Optional[int] = None) -> Runtime:
     """The agent runtime of ``model`` (``agent.runtime`` with ``agent.runtime_options``; the transformers
-    runtime takes the run's model cache, batch size and dtype unless the options set them)."""
+    runtime takes the run's model cache, batch size and dtype unless the options set them). ``adapter``:
+    a LoRA adapter directory (in-process only); ``seed``: a sampling seed of ``agent.sampling``."""
     a = cfg.agent
     opts = dict(a.runtime_options)
     if a.runtime == "transformers":
         opts.setdefault("model_cache_dir", cfg.model_cache_dir)
         opts.setdefault("batch_size", cfg.batch_size)
         opts.setdefault("dtype", cfg.dtype)
-    rt = make_runtime(a.runtime, model, a.max_tokens_per_call, cache_dir=cfg.run_dir / "agent" / model / "cache",
-                      **opts)
+    if adapter is not None:
+        opts["adapter"] = adapter
+    if seed is not None:
+        opts.update(seed=seed, temperature=a.sampling["temperature"])
+    rt = make_runtime(a.runtime, model, a.max_tokens_per_call, cache_dir=cfg.paths.agent_cache(model), **opts)
     rt.check_protocols(list(a.protocols))
     return rt
 
@@ -233,74 +247,30 @@ def summary_head(a: AgentConfig) -> dict[str, Any]:
             "constrained_decoding": None, "models": {}, "timing": {}}
 
 
+def slices_of(records: list[dict], a: AgentConfig, formulations: Sequence[str], n_perm: int = 10000) -> dict[str, Any]:
+    """``slices/<slice>/<schema_variant>/...`` of a set of episode records (the block's bootstrap)."""
+    return summarize_model(episodes_frame(records), formulations, list(a.slices), list(a.protocols), n_boot=a.n_boot,
+                           n_perm=n_perm, seed=0, bootstrap=a.bootstrap)
+
+
 def model_block(records: list[dict], a: AgentConfig, formulations: Sequence[str], n_questions: int,
                 runtime: dict[str, Any], resume: dict[str, Any], n_perm: int = 10000) -> dict[str, Any]:
-    """``/models/<model>`` of the summary from a model's episode records (see the module docstring)."""
+    """``/models/<model>`` of the summary from a model's episode records on the reported condition
+    (``agent.conditions[0]``; see the module docstring)."""
     df = episodes_frame(records)
     right = in_slice(df, "memory_right") if len(df) else df
     mr = {f: int(right.loc[right["formulation"] == f, "qkey"].nunique()) if len(right) else 0 for f in formulations}
     return {"runtime": runtime,
             "support": {"questions": n_questions, "memory_right_added": n_questions - a.n_questions,
                         "formulations": list(formulations), "memory_right": mr, "episodes": len(records),
-                        "protocols": list(a.protocols), "schema_variants": list(a.schema_variants)},
+                        "condition": a.conditions[0], "protocols": list(a.protocols),
+                        "schema_variants": list(a.schema_variants)},
             "resumed": resume,
-            "slices": summarize_model(df, formulations, list(a.slices), list(a.protocols), n_boot=a.n_boot,
-                                      n_perm=n_perm, seed=0)}
-
-
-def run(cfg: RunConfig, show_progress: bool = True, log=print) -> dict[str, Any]:
-    """Notebook 07's work (see the module docstring); returns the summary written to
-    ``summaries/agent.json``. ``cfg``: the run configuration (a params mapping is read with
-    ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
-    a = cfg.agent
-    bench = load_benchmark(cfg.release_dir)
-    summary = summary_head(a)
-    costs: dict[str, Any] = {}
-    for model in a.models:
-        t0 = time.time()
-        forms = formulations_of(cfg, model)
-        questions = questions_for(cfg, model, bench, forms)
-        memory = memory_for(cfg, model, questions, forms)
-        t_mem = time.time()
-        rt = runtime_for(cfg, model)
-        try:
-            specs = build_specs(model, questions, memory, a, forms, runtime_key(rt), cfg.matcher)
-            res = run_model(rt, specs, cfg.run_dir / "agent" / model / "traces.jsonl", model, show_progress)
-            desc = {k: v for k, v in rt.describe().items() if k != "constrained_cost"}
-            summary["models"][model] = model_block(res["records"], a, forms, len(questions), desc,
-                                                   dict(res["resume"], ran=res["ran"]), cfg.n_perm)
-            cost = getattr(rt, "constrained_stats", None)
-            if cost:
-                costs[model] = cost
-            log(f"{model}: {len(specs)} episodes ({res['ran']} run now, {res['resume']['finished']} finished before) "
-                f"in {time.time() - t0:.1f} s")
-        finally:
-            rt.close()
-        summary["timing"][model] = {"closed_book": round(t_mem - t0, 1), "episodes": round(time.time() - t_mem, 1),
-                                    "total": round(time.time() - t0, 1)}
-    if a.runtime == "transformers":
-        summary["constrained_decoding"] = dict(constrained_library(), json_options=JSON_OPTIONS)
-        summary["timing"]["constrained_decoding"] = costs       # measured cost per model (machine-dependent)
-    summary["published"] = published_block(cfg.release_dir)
-    write_json(cfg.paths.summary("agent"), summary)
-    return summary
-
-
-def run_model(rt: Runtime, specs: list[EpisodeSpec], trace_path: Path, model: str,
-              show_progress: bool = True) -> dict[str, Any]:
-    """The episodes of one model through its runtime, logged to (and resumed from) ``trace_path``."""
-    started = time.time()
-
-    def report(done: int, total: int) -> None:
-        if show_progress:
-            progress.report(f"{model} agent episodes", done, total, started, unit="episodes")
-
-    return run_episodes(rt, specs, Trace(trace_path), progress=report)
+            "slices": slices_of(records, a, formulations, n_perm)}
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / "summaries" / "agent.json"
+    path = RunPaths(Path(run_dir)).summary("agent")
     if not path.is_file():
         raise AgentError(f"{path} does not exist: run notebook 07_agent_loop first")
     return json.loads(path.read_text(encoding="utf-8"))
@@ -308,13 +278,13 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
 
 def episodes(run_dir: str | Path, model: str) -> pd.DataFrame:
     """The run's episode records of a model (the trace's termination events)."""
-    return episodes_frame(Trace(Path(run_dir) / "agent" / model / "traces.jsonl").terminations())
+    return episodes_frame(Trace(RunPaths(Path(run_dir)).agent_traces(model)).terminations())
 
 
 # ==================================================================================================
 # the figure
 
-def plot(summary: dict, path: str | Path, slice_name: str = "all") -> Path:
+def plot(summary: dict, path: str | Path, slice_name: str = "memory_right") -> Path:
     """Agreement vs execution per protocol (pooled over formulations; 95% intervals), one panel per
     schema variant, one marker per model; the diagonal is agreement = execution."""
     tab = summary_table(summary, slice_name)

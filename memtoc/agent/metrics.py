@@ -1,10 +1,10 @@
 """Agent-loop metrics: per model × slice × schema variant × protocol, per formulation and pooled.
 
-Rates are means over episodes with question-cluster percentile bootstrap intervals
-(``analyses.rate_intervals`` -> ``stats.cluster_bootstrap``; pooled = the unweighted mean of the
-formulations, questions resampled jointly); the repair delta ``auto_constrained − auto`` is a paired
-contrast on common support (``analyses.contrast`` -> ``stats.paired_contrast``: question-cluster
-bootstrap interval and sign-flip p).
+Rates are means over episodes with bootstrap intervals (``agent.bootstrap``: the paper's percentile
+bootstrap, or memtoc's question-cluster bootstrap; :mod:`memtoc.agent.contrasts`); the protocol
+contrasts (guided -> auto, guided -> two_stage, auto -> two_stage) and the repair delta
+``auto_constrained − auto`` are paired by question on common support, with an interval from the same
+bootstrap and a sign-flip p.
 
 Slices: ``memory_right`` (the paper's: questions whose forced closed-book answer is correct, per
 model and formulation) and ``all`` (every question of the run's agent selection).
@@ -15,14 +15,15 @@ from typing import Any, Iterable, Optional, Sequence
 
 import pandas as pd
 
-from ..analyses import contrast, rate_intervals
+from .contrasts import PROTOCOL_CONTRASTS, contrast_name, paired, rates
 from .protocols import MECHANISMS, PROTOCOLS, TERMINATIONS
 
 SLICES = ("memory_right", "all")
 RATES = ("answer_agreement", "tool_execution_rate", "agreement_minus_execution", "kept_memory", "final_correct")
 METRIC_DOC: dict[str, str] = {
-    "answer_agreement": "the final answer matches the executed tool return's value (the near distractor on "
-                        "tool_wrong); 0 when the episode ended without a final answer",
+    "answer_agreement": "the final answer matches the executed tool return's value (the gold on tool_right, the "
+                        "paper's return; the near distractor on tool_wrong); 0 when the episode ended without a "
+                        "final answer",
     "tool_execution_rate": "the tool was executed (a valid call was made, or the oracle's synthetic call ran)",
     "agreement_minus_execution": "answer_agreement - tool_execution_rate on the same episodes (an episode that "
                                  "never calls the tool can still agree: the paper's metric caveat)",
@@ -33,7 +34,9 @@ METRIC_DOC: dict[str, str] = {
                   "decision parse failure, T4 no call where one was expected, other_invalid",
     "type_errors": "jsonschema type errors per validated call (T1's raw count; coercible = strings of the "
                    "expected type, e.g. booleans serialized as strings)",
-    "repair": "auto_constrained - auto, paired on (formulation, question): the schema-constrained decoder's delta",
+    "repair": "auto_constrained - auto, paired by question: the schema-constrained decoder's delta",
+    "contrasts": "treatment - baseline protocol, paired by question (guided_to_auto = auto - guided, the paper's "
+                 "Section 5.4 contrast; guided_to_two_stage; auto_to_two_stage), for agreement and execution",
 }
 _FLAGS = ("agreement", "executed", "kept_memory", "final_correct")
 
@@ -79,12 +82,13 @@ def rate_units(df: pd.DataFrame, name: str) -> pd.DataFrame:
     return _units(df, df[name])
 
 
-def protocol_block(df: pd.DataFrame, formulations: Sequence[str], n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
+def protocol_block(df: pd.DataFrame, formulations: Sequence[str], n_boot: int = 1000, seed: int = 0,
+                   bootstrap: str = "percentile") -> dict[str, Any]:
     """Metrics of one protocol's episodes (see :data:`METRIC_DOC`)."""
     n = len(df)
     out: dict[str, Any] = {"n_episodes": n, "n_questions": int(df["qkey"].nunique()) if n else 0}
     for name in RATES:
-        out[name] = rate_intervals(rate_units(df, name), formulations, n_boot=n_boot, seed=seed) if n else {}
+        out[name] = rates(rate_units(df, name), formulations, bootstrap, n_boot, seed) if n else {}
     out["terminations"] = {t: {"count": int((df["termination"] == t).sum()) if n else 0,
                                "rate": float((df["termination"] == t).mean()) if n else None} for t in TERMINATIONS}
     out["mechanisms"] = {m: {"count": int(df[m].sum()) if n else 0,
@@ -99,21 +103,37 @@ def protocol_block(df: pd.DataFrame, formulations: Sequence[str], n_boot: int = 
     return out
 
 
-def repair_block(df: pd.DataFrame, n_boot: int = 1000, n_perm: int = 10000, seed: int = 0) -> dict[str, Any]:
-    """``auto_constrained − auto`` on common support, for agreement and execution."""
-    a = df[df["protocol"] == "auto"]
-    c = df[df["protocol"] == "auto_constrained"]
-    if not len(a) or not len(c):
+def pair_block(df: pd.DataFrame, treatment: str, baseline: str, n_boot: int = 1000, n_perm: int = 10000,
+               seed: int = 0, bootstrap: str = "percentile") -> dict[str, Any]:
+    """``treatment − baseline`` (protocols) paired by question, for agreement and execution ({} when
+    either protocol has no episode)."""
+    t = df[df["protocol"] == treatment]
+    b = df[df["protocol"] == baseline]
+    if not len(t) or not len(b):
         return {}
-    return {name: contrast(rate_units(c, name), rate_units(a, name), n_boot=n_boot, n_perm=n_perm, seed=seed,
-                           treatment="auto_constrained", baseline="auto")
+    return {name: paired(rate_units(t, name), rate_units(b, name), bootstrap, n_boot, n_perm, seed,
+                         treatment=treatment, baseline=baseline)
             for name in ("answer_agreement", "tool_execution_rate")}
+
+
+def repair_block(df: pd.DataFrame, n_boot: int = 1000, n_perm: int = 10000, seed: int = 0,
+                 bootstrap: str = "percentile") -> dict[str, Any]:
+    """``auto_constrained − auto`` on common support, for agreement and execution."""
+    return pair_block(df, "auto_constrained", "auto", n_boot, n_perm, seed, bootstrap)
+
+
+def contrasts_block(df: pd.DataFrame, n_boot: int = 1000, n_perm: int = 10000, seed: int = 0,
+                    bootstrap: str = "percentile") -> dict[str, Any]:
+    """The protocol contrasts of :data:`~memtoc.agent.contrasts.PROTOCOL_CONTRASTS` that the run has."""
+    out = {contrast_name(t, b): pair_block(df, t, b, n_boot, n_perm, seed, bootstrap) for t, b in PROTOCOL_CONTRASTS}
+    return {k: v for k, v in out.items() if v}
 
 
 def summarize_model(df: pd.DataFrame, formulations: Sequence[str], slices: Sequence[str] = SLICES,
                     protocols: Sequence[str] = PROTOCOLS, n_boot: int = 1000, n_perm: int = 10000,
-                    seed: int = 0) -> dict[str, Any]:
-    """``{slice: {schema_variant: {"n_questions", "protocols": {protocol: block}, "repair": {...}}}}``."""
+                    seed: int = 0, bootstrap: str = "percentile") -> dict[str, Any]:
+    """``{slice: {schema_variant: {"n_questions", "protocols": {protocol: block}, "contrasts": {...},
+    "repair": {...}}}}``."""
     out: dict[str, Any] = {}
     for sl in slices:
         sdf = in_slice(df, sl) if len(df) else df
@@ -124,14 +144,15 @@ def summarize_model(df: pd.DataFrame, formulations: Sequence[str], slices: Seque
                 "n_questions": int(vdf["qkey"].nunique()) if len(vdf) else 0,
                 "questions_by_formulation": {f: int(vdf.loc[vdf["formulation"] == f, "qkey"].nunique())
                                              for f in formulations},
-                "protocols": {p: protocol_block(vdf[vdf["protocol"] == p], formulations, n_boot, seed)
-                              for p in protocols if p in set(df["protocol"])},
-                "repair": repair_block(vdf, n_boot, n_perm, seed)}
+                "protocols": {p: protocol_block(vdf[vdf["protocol"] == p], formulations, n_boot, seed, bootstrap)
+                              for p in protocols if p in set(vdf["protocol"])},   # those with episodes here
+                "contrasts": contrasts_block(vdf, n_boot, n_perm, seed, bootstrap),
+                "repair": repair_block(vdf, n_boot, n_perm, seed, bootstrap)}
         out[sl] = node
     return out
 
 
-def summary_table(summary: dict, slice_name: str = "all", form: str = "pooled") -> pd.DataFrame:
+def summary_table(summary: dict, slice_name: str = "memory_right", form: str = "pooled") -> pd.DataFrame:
     """Tidy rows (model, schema_variant, protocol, agreement, lo, hi, execution, lo, hi, n, terminations,
     mechanisms) of a summary, for the notebook and the report."""
     rows = []
@@ -152,14 +173,25 @@ def summary_table(summary: dict, slice_name: str = "all", form: str = "pooled") 
     return pd.DataFrame(rows)
 
 
-def repair_table(summary: dict, slice_name: str = "all") -> pd.DataFrame:
+def repair_table(summary: dict, slice_name: str = "memory_right") -> pd.DataFrame:
+    """The repair delta (auto_constrained − auto) per model × schema × metric."""
+    return contrast_table(summary, slice_name, only="repair")
+
+
+def contrast_table(summary: dict, slice_name: str = "memory_right", only: Optional[str] = None) -> pd.DataFrame:
+    """Every paired contrast (the protocol contrasts and the repair) per model × schema × metric."""
     rows = []
     for model, ms in (summary.get("models") or {}).items():
         for variant, v in ((ms.get("slices") or {}).get(slice_name) or {}).items():
-            for name, c in (v.get("repair") or {}).items():
-                ci = c.get("ci95") or [None, None]
-                rows.append({"model": model, "schema": variant, "metric": name, "delta": c.get("delta"),
-                             "lo": ci[0], "hi": ci[1], "p": c.get("p"), "n_units": c.get("n_units")})
+            pairs = dict(v.get("contrasts") or {}, repair=v.get("repair") or {})
+            for cname, block in pairs.items():
+                if only is not None and cname != only:
+                    continue
+                for name, c in block.items():
+                    ci = c.get("ci95") or [None, None]
+                    rows.append({"model": model, "schema": variant, "contrast": cname, "metric": name,
+                                 "delta": c.get("delta"), "lo": ci[0], "hi": ci[1], "p": c.get("p"),
+                                 "n_units": c.get("n_units")})
     return pd.DataFrame(rows)
 
 

@@ -20,11 +20,14 @@ Protocols (only the tool choice varies; ``max_calls`` calls at most, default 1 a
     ``auto_constrained``  the repair arm: ``auto``'s weights and prompt, the call's arguments decoded
                           under the schema grammar (``ChatRequest.constrained``).
 
-Terminations (one per episode)
-    ``final``         an assistant turn without a call: its content is the answer.
-    ``invalid_call``  a call that does not parse (T2), more than one call in a turn, or a call that
-                      fails validation (name, JSON object, ``jsonschema``); no recovery turn.
-    ``no_call``       the protocol forced a call (guided; two_stage after YES) and the turn had none.
+Terminations (one per episode; PROTOCOL §8's loop termination, :data:`TERMINATION_RULES`)
+    ``final``         an assistant turn without a call: its content is the answer. Exception (§8):
+                      a1 - the guided protocol, ``tool_choice`` "required" before any call - with the
+                      tool available and no call made yet ends ``invalid_call``; two_stage after YES
+                      asks for the same forced call and ends the same way.
+    ``invalid_call``  a call that does not parse (T2), more than one call in a turn, a call that
+                      fails validation (name, JSON object, ``jsonschema``), or the §8 exception above;
+                      no recovery turn (only the paper's a3 recovers, and memtoc does not run a3).
     ``max_calls``     a call after the call budget was spent (a runtime that does not enforce "none").
     ``max_tokens``    the episode's output tokens reached ``max_tokens_per_episode`` (checked first,
                       after every turn; PROTOCOL §8).
@@ -59,7 +62,10 @@ from .tools import FixtureTool, function_tool, name_of, oracle_arguments, valida
 from .traces import Trace, messages_sha256
 
 PROTOCOLS = ("guided", "auto", "two_stage", "oracle", "auto_constrained")
-TERMINATIONS = ("final", "invalid_call", "no_call", "max_calls", "max_tokens")
+TERMINATIONS = ("final", "invalid_call", "max_calls", "max_tokens")
+#: the termination rules an episode was run under (part of its key: traces written under memtoc's
+#: earlier rules, which ended a forced call that never came as ``no_call``, are run again)
+TERMINATION_RULES = "protocol-s8"
 MECHANISMS = ("T1", "T2", "T3", "T4", "other_invalid")
 
 #: PROTOCOL §8's system prompt of the agentic runtime (verbatim).
@@ -114,6 +120,7 @@ class EpisodeSpec:
     max_tokens_per_episode: int = 192
     matcher: str = "paper"
     runtime: str = ""                  # the runtime's identity hash: a changed runtime is a new episode
+    termination_rules: str = TERMINATION_RULES
 
     @property
     def episode_id(self) -> str:
@@ -263,8 +270,9 @@ class EpisodeRun:
             if not self.done:
                 self._queue()
             return
-        if self.forced_next:
-            self._finish("no_call", r, why="the protocol forced a call and the turn made none")
+        if self.forced_next:     # PROTOCOL §8: a1 with a tool available and no call made yet
+            self._finish("invalid_call", r, why="no call where the protocol requires one (PROTOCOL §8: a1 "
+                                                "before any call ends invalid_call)")
             return
         self._finish("final", r)
 
@@ -311,7 +319,7 @@ class EpisodeRun:
         attempted = self.call_attempts > 0
         if not attempted and s.protocol != "oracle" and not self.flags["T3"]:
             self.flags["T4"] = True
-        if termination == "invalid_call" and not (self.flags["T1"] or self.flags["T2"]):
+        if termination == "invalid_call" and attempted and not (self.flags["T1"] or self.flags["T2"]):
             self.flags["other_invalid"] = True
         self.pending = None
         self.record = {

@@ -6,9 +6,11 @@ from typing import Any, Mapping, Optional
 
 from ..config import ordered_subset
 from ..vocab import FORMULATIONS
-from .base import Block, Fail, as_list, is_int
+from .base import Block, Fail, as_list, is_int, is_num
+from .finetune import OBJECTIVES
 
-CONDITIONS = ("tool_wrong", "tool_right", "tool_error")
+CONDITIONS = ("tool_right", "tool_wrong", "tool_error")
+BOOTSTRAPS = ("percentile", "cluster")
 
 
 def _agent():
@@ -42,14 +44,23 @@ class AgentConfig(Block):
                                                # formulation) is correct - the paper's slice, tiny on small models
     formulations: Optional[tuple[str, ...]] = None   # None: the run's (base models: the run's base_formulations)
     schema_variants: tuple[str, ...] = ("release", "typed")
-    condition: str = "tool_wrong"
+    conditions: tuple[str, ...] = ("tool_right",)   # the tool's return; the first is the reported one, the rest
+                                               # extra arms. tool_right (the gold value) is the paper's: on its
+                                               # memory-right slice the return and the model's own answer coincide;
+                                               # tool_wrong (the near distractor) measures arbitration instead
     max_calls: int = 1                         # the paper's a1/a2/o1: one call
     max_tokens_per_call: int = 384             # the release's agentic client default
     max_tokens_per_episode: int = 1536         # the release's agentic output-token budget
     runtime: str = "transformers"              # transformers (in-process) | openai (any OpenAI-compatible server)
     runtime_options: dict = field(default_factory=dict)   # transformers: device, dtype, batch_size, tool_format,
                                                # ...; openai: base_url, api_key, served_model, server, ...
-    n_boot: Optional[int] = None               # None: the run's n_boot
+    n_boot: Optional[int] = None               # None: the run's n_boot (the paper: B = 2,000)
+    bootstrap: str = "percentile"              # percentile: the paper's (episodes of one question resampled,
+                                               # B = n_boot); cluster: memtoc's question-cluster bootstrap
+    adapters: tuple = ()                       # notebook 04's adapters run through the loop: [{objective, fold}]
+                                               # read from adapters/<model>/<objective>/fold<k>/ (absent: a notice)
+    sampling: Optional[dict] = None            # the paper's T = 0.7 rerun: {temperature: 0.7, seeds: [0, 1, 2]}
+                                               # (closed-book answers stay greedy); None: greedy only
 
     @classmethod
     def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "AgentConfig":
@@ -81,12 +92,50 @@ def _choices(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
     if got is None:
         fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
     a["formulations"] = got
-    if a["condition"] not in CONDITIONS:
-        fail("condition", f"must be one of {list(CONDITIONS)}, got {a['condition']!r}")
+    conds = as_list(a["conditions"])
+    if (not isinstance(conds, list) or not conds or any(c not in CONDITIONS for c in conds)
+            or len(set(conds)) != len(conds)):
+        fail("conditions", f"must be a non-empty list of distinct values from {list(CONDITIONS)} (the first is "
+                           f"reported, the rest are extra arms), got {a['conditions']!r}")
+    a["conditions"] = conds
+    if a["bootstrap"] not in BOOTSTRAPS:
+        fail("bootstrap", f"must be one of {list(BOOTSTRAPS)}, got {a['bootstrap']!r}")
     if a["runtime"] not in runtime.RUNTIMES:
         fail("runtime", f"must be one of {list(runtime.RUNTIMES)}, got {a['runtime']!r}")
     if not isinstance(a["runtime_options"], dict):
         fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
+    _arms(a, fail)
+
+
+def _arms(a: dict, fail: Fail) -> None:
+    """``adapters`` and ``sampling``: the extra arms of the loop."""
+    ads = a["adapters"]
+    if not isinstance(ads, (list, tuple)):
+        fail("adapters", f"must be a list of {{objective, fold}} mappings, got {ads!r}")
+    out = []
+    for ad in ads:
+        if (not isinstance(ad, dict) or set(ad) != {"objective", "fold"} or ad["objective"] not in OBJECTIVES
+                or not is_int(ad["fold"]) or ad["fold"] not in (0, 1)):
+            fail("adapters", f"each entry must be {{objective: one of {list(OBJECTIVES)}, fold: 0 or 1}}, "
+                             f"got {ad!r}")
+        out.append({"objective": ad["objective"], "fold": int(ad["fold"])})
+    a["adapters"] = out
+    if out and a["runtime"] != "transformers":
+        fail("adapters", "run in-process only (agent.runtime: transformers loads the LoRA adapter on the weights); "
+                         "set adapters: [] for a server runtime")
+    sm = a["sampling"]
+    if sm is None:
+        return
+    if (not isinstance(sm, dict) or set(sm) != {"temperature", "seeds"} or not is_num(sm["temperature"])
+            or sm["temperature"] <= 0 or not isinstance(sm["seeds"], list) or not sm["seeds"]
+            or not all(is_int(x) for x in sm["seeds"]) or len(set(sm["seeds"])) != len(sm["seeds"])):
+        fail("sampling", f"must be null (greedy only) or {{temperature: > 0, seeds: [distinct integers]}} such as "
+                         f"{{temperature: 0.7, seeds: [0, 1, 2]}}, got {sm!r}")
+    if a["runtime"] != "openai":
+        fail("sampling", "needs agent.runtime: openai (a server that takes a per-request seed, as vLLM, the paper's "
+                         "stack); the in-process runtime decodes greedily only - set sampling: null, or serve the "
+                         "model with vllm serve and set agent.runtime: openai")
+    a["sampling"] = {"temperature": float(sm["temperature"]), "seeds": [int(x) for x in sm["seeds"]]}
 
 
 def _sizes(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
