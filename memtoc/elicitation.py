@@ -28,6 +28,7 @@ from .metrics import assign_cell
 from .prompts import closed_book_prompt
 from .io import write_jsonl
 from .records import Question
+from .runconfig import RunPaths
 from .scoring import memory_status
 from .vocab import CELLS, FORMULATIONS
 from .vocab import CLOSED_BOOK_VARIANTS as VARIANTS
@@ -42,7 +43,8 @@ def cache_stem(formulation: str, variant: str) -> str:
 
 
 def scored_path(run_dir: str | os.PathLike, model_label: str, variant: str) -> Path:
-    return Path(run_dir) / "scored" / model_label / f"closed_book_{variant}.jsonl"
+    """``scored/<model>/closed_book_<variant>.jsonl`` (``RunPaths.closed_book``)."""
+    return RunPaths(run_dir).closed_book(model_label, variant)
 
 
 def elicit(generator, model_label: str, questions: Sequence[Question], formulations: Iterable[str],
@@ -58,11 +60,11 @@ def elicit(generator, model_label: str, questions: Sequence[Question], formulati
     questions = list(questions)
     if not questions:
         raise DataError("elicit: no questions given (check n_questions and the selection)")
-    run_dir = Path(run_dir)
+    paths = RunPaths(run_dir)
     rows: list[dict[str, Any]] = []
     for form in formulations:
         prompts = [closed_book_prompt(q.question, form, variant) for q in questions]
-        cache = run_dir / "generations" / model_label / f"{cache_stem(form, variant)}.jsonl"
+        cache = paths.generation_file(model_label, cache_stem(form, variant))
         replies = generator.generate(prompts, cache_path=cache,
                                      desc=f"{model_label} closed-book {variant} {form}")
         for q, r in zip(questions, replies):

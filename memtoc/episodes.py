@@ -31,7 +31,7 @@ from .prompts import (NOOP_OUTPUT, closed_book_prompt, error_payload, synthesize
                       with_tool_prompt)
 from .records import Episode, Question, dumps, unique_by
 from .runconfig import RunConfig
-from .selection import select_questions
+from .selection import run_selection
 
 from .vocab import (ALL_CONDITIONS, ARMS, BASELINE_ARM, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD, EXTRA_ARM_SPECS,
                     FORMULATIONS, FRAMES, PAYLOAD_KINDS, VALUE_CONDITIONS)
@@ -173,11 +173,11 @@ def read_episodes(path) -> list[Episode]:
 def run_episodes(benchmark, P: dict) -> list[Episode]:
     """The episodes of a run (used by notebooks 01 and 03).
 
-    Headline: the first ``P["n_questions"]`` of ``select_questions(benchmark.analysis, seed)`` with
-    CORE_CONDITIONS, for every formulation in ``P["formulations"]``. Extra arms, on the first
-    ``P["n_questions_extra"]`` of the same selection (so they are a subset of the headline
-    questions), as listed in ``P["extra_arms"]`` (each adds the episodes of its
-    ``vocab.EXTRA_ARM_SPECS`` entry, in that order):
+    Headline: the run's headline questions (``selection.run_selection(P, benchmark).headline``, the
+    first ``P["n_questions"]`` of the stratified selection) with CORE_CONDITIONS, for every
+    formulation in ``P["formulations"]``. Extra arms, on the first ``P["n_questions_extra"]`` of the
+    same selection (``.extra``, so they are a subset of the headline questions), as listed in
+    ``P["extra_arms"]`` (each adds the episodes of its ``vocab.EXTRA_ARM_SPECS`` entry, in that order):
 
     * ``far``: tool_far (schema frame, untreated) where a far value exists;
     * ``payloads``: tool_error with the ``timeout`` and ``permission_denied`` payloads;
@@ -192,8 +192,8 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     """
     cfg = RunConfig.of(P)
     forms = list(cfg.formulations)
-    sel = select_questions(benchmark.analysis, max(cfg.n_questions, cfg.n_questions_extra), cfg.seed)
-    head, extra = sel[:cfg.n_questions], sel[:cfg.n_questions_extra]
+    sel = run_selection(cfg, benchmark)
+    head, extra = sel.headline, sel.extra
     eps = build_episodes(head, forms, CORE_CONDITIONS)
     arms = set(cfg.extra_arms)
     if extra:

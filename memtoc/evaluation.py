@@ -29,7 +29,7 @@ from . import elicitation, metrics, scoring
 from .config import DataError, MemtocError
 from .io import write_jsonl
 from .records import Episode, arm_key
-from .runconfig import RunConfig
+from .runconfig import RunConfig, RunPaths
 from .vocab import FORMULATIONS
 
 
@@ -139,25 +139,25 @@ def generate_replies(generator, model_label: str, episodes: Sequence[Episode], r
     together (length-sorted batching across arms) and a no_tool episode is served by the
     elicitation's closed-book file. Generators without cache keys (no ``key()``) get one call per
     cache file."""
-    gen_dir = Path(run_dir) / "generations" / model_label
-    gen_dir.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths(run_dir)
+    paths.generations(model_label).mkdir(parents=True, exist_ok=True)
     episodes = list(episodes)
     if not (callable(getattr(generator, "key", None)) and hasattr(generator, "identity")):
-        return _generate_per_file(generator, model_label, episodes, gen_dir)
+        return _generate_per_file(generator, model_label, episodes, paths)
     replies = generator.generate([e.prompt for e in episodes],
-                                 cache_path=[gen_dir / f"{cache_stem(e)}.jsonl" for e in episodes],
+                                 cache_path=[paths.generation_file(model_label, cache_stem(e)) for e in episodes],
                                  desc=f"{model_label} with-tool")
     if len(replies) != len(episodes):
         raise EvaluationError(f"generator returned {len(replies)} replies for {len(episodes)} prompts")
     return replies
 
 
-def _generate_per_file(generator, model_label: str, episodes: Sequence[Episode], gen_dir: Path) -> list[Any]:
+def _generate_per_file(generator, model_label: str, episodes: Sequence[Episode], paths: RunPaths) -> list[Any]:
     replies: list[Any] = [None] * len(episodes)
     groups = group_episodes(episodes)
     for gi, (stem, idx) in enumerate(groups.items(), 1):
         prompts = [episodes[i].prompt for i in idx]
-        got = generator.generate(prompts, cache_path=gen_dir / f"{stem}.jsonl",
+        got = generator.generate(prompts, cache_path=paths.generation_file(model_label, stem),
                                  desc=f"{model_label} {stem} [{gi}/{len(groups)}]")
         if len(got) != len(prompts):
             raise EvaluationError(f"generator returned {len(got)} replies for {len(prompts)} prompts ({stem})")
@@ -190,11 +190,11 @@ def evaluate(generator, model_label: str, episodes: Sequence[Episode], memory: p
 def write_scored(df: pd.DataFrame, run_dir, model_label: str, folder: str = "scored") -> list[Path]:
     """``<folder>/<model>/<arm_key>.jsonl``: the scored rows, one file per (arm, frame, formulation)
     (the tool schema column is left out). Returns the paths written."""
-    out_dir = Path(run_dir) / folder / model_label
+    run_paths = RunPaths(run_dir)
     keys = np.array([arm_key(a, f, fo) for a, f, fo in zip(df["arm"], df["frame"], df["formulation"])])
     paths = []
     for key, part in df.groupby(keys, sort=False):
-        paths.append(out_dir / f"{key}.jsonl")
+        paths.append(run_paths.scored_file(model_label, key, folder))
         write_jsonl(paths[-1], part.drop(columns=["schema"], errors="ignore").to_dict("records"))
     return paths
 
@@ -203,8 +203,9 @@ def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
                 hint: str = "run notebook 03_evaluation first") -> pd.DataFrame:
     """Read back ``<folder>/<model>/*.jsonl`` of a run (all models when ``model_label`` is None);
     ``hint`` ends the error when there is nothing to read."""
-    base = Path(run_dir) / folder
-    dirs = [base / model_label] if model_label else sorted(p for p in base.glob("*") if p.is_dir())
+    paths = RunPaths(run_dir)
+    base = paths.scored_dir(folder)
+    dirs = [paths.scored(model_label, folder)] if model_label else sorted(p for p in base.glob("*") if p.is_dir())
     frames = []
     for d in dirs:
         for p in sorted(d.glob("*.jsonl")):

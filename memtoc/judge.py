@@ -93,13 +93,13 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from . import analyses
+from . import analyses, intervals
 from . import metrics, models, scoring
 from .config import DEFAULTS, FORMULATIONS, ConfigError, MemtocError
 from .evaluation import read_scored, write_scored
 from .io import plain
 from .metrics import isna
-from .runconfig import RunConfig
+from .runconfig import RunConfig, RunPaths
 from .scoring import canon
 
 TASKS = ("extract", "ack")
@@ -298,14 +298,15 @@ def run_judge(generator, judge_label: str, scored: pd.DataFrame, run_dir,
     generator and its cache: ``generations/<judge_label>/judge_<task>.jsonl``, one file per task,
     so a rerun reuses every reply. Returns one Judgment per request, same order."""
     reqs = list(judge_requests(scored) if requests is None else requests)
-    gen_dir = Path(run_dir) / "generations" / judge_label
-    gen_dir.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths(run_dir)
+    paths.generations(judge_label).mkdir(parents=True, exist_ok=True)
     out: list[Optional[Judgment]] = [None] * len(reqs)
     for task in TASKS:
         idx = [i for i, q in enumerate(reqs) if q.task == task]
         if not idx:
             continue
-        got = generator.generate([reqs[i].prompt for i in idx], cache_path=gen_dir / f"judge_{task}.jsonl",
+        got = generator.generate([reqs[i].prompt for i in idx],
+                                 cache_path=paths.generation_file(judge_label, f"judge_{task}"),
                                  desc=f"judge {task} ({judge_label})")
         if len(got) != len(idx):
             raise JudgeError(f"the judge returned {len(got)} replies for {len(idx)} {task} prompts")
@@ -476,7 +477,7 @@ def judged_model_section(det: pd.DataFrame, judged: pd.DataFrame, judgments: Seq
     head = analyses.select_arm(judged)
     units = car_units(head)
     cw = head[(head["condition"] == "tool_wrong") & head["cell"].isin(["arb", "both_wrong"])]
-    car = analyses.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": analyses.interval_obj(None, None, 0)}
+    car = intervals.rate_intervals(units, forms, n_boot, seed, alpha) or {"pooled": intervals.interval_obj(None, None, 0)}
     return plain({
         "headline": analyses.headline_metrics(judged, forms, n_boot=n_boot, seed=seed, alpha=alpha),
         "car_judge": car,

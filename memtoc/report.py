@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import claims as C
+from .io import atomic_write_text
+from .runconfig import RunPaths
 
 MISSING_CELL = "—"
 
@@ -89,7 +91,7 @@ def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str
 
 
 def _provenance(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.json"
+    path = RunPaths(run_dir).config_json
     if not path.is_file():
         return {}
     try:
@@ -109,12 +111,12 @@ def build_report(run_dir: str | Path, registry: str | Path | None = None) -> tup
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise C.ClaimError(f"run directory {run_dir} does not exist; run `memtoc run PARAMS.yaml` first")
+    paths = RunPaths(run_dir)
     reg = C.load_registry(registry)
     claims, omitted = C.resolve_all(run_dir, reg)
     claims_path = C.write_claims(run_dir, claims, omitted, registry)
-    figures = sorted((run_dir / "figures").glob("*.png")) if (run_dir / "figures").is_dir() else []
+    figures = sorted(paths.figures.glob("*.png")) if paths.figures.is_dir() else []
     md = render_report(claims, omitted, reg.get("sections") or {}, figures, run_dir.name, _provenance(run_dir),
                        reg.get("tables") or {}, reg.get("figures") or {})
-    report_path = run_dir / "paper" / "report.md"
-    report_path.write_text(md)
+    report_path = atomic_write_text(paths.report_md, md)
     return report_path, claims_path, claims

@@ -22,14 +22,21 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 from .blockconfig import AgentConfig, FinetuneConfig, JudgeConfig, ProbesConfig, TransferConfig, resolve_blocks
 from .config import DEFAULTS, ConfigError, load_params, resolve_release_dir, run_dir, validate_params
+from .io import write_json
 from .vocab import Backend, ClosedBookVariant, Formulation, Matcher
 
 
 @dataclass(frozen=True)
 class RunPaths:
-    """The ``outputs/<run>/`` layout (docs/architecture.md, "Output layout")."""
+    """The ``outputs/<run>/`` layout (docs/architecture.md, "Output layout"): every file and folder of
+    a run is named here, and every stage writes and reads through these names. ``root`` may be given as
+    a string; it is kept as a :class:`~pathlib.Path`."""
     root: Path
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    # -- the run's bookkeeping -----------------------------------------------------------------
     @property
     def config_json(self) -> Path:
         return self.root / "config.json"
@@ -38,6 +45,15 @@ class RunPaths:
     def params_yaml(self) -> Path:
         return self.root / "params.yaml"
 
+    @property
+    def notebooks(self) -> Path:
+        """``notebooks/``: the executed copies."""
+        return self.root / "notebooks"
+
+    def notebook(self, name: str) -> Path:
+        return self.notebooks / name
+
+    # -- summaries, figures, the paper ---------------------------------------------------------
     @property
     def summaries(self) -> Path:
         return self.root / "summaries"
@@ -50,32 +66,118 @@ class RunPaths:
     def paper(self) -> Path:
         return self.root / "paper"
 
+    @property
+    def report_md(self) -> Path:
+        """``paper/report.md``."""
+        return self.paper / "report.md"
+
+    @property
+    def claims_json(self) -> Path:
+        """``paper/claims.json``."""
+        return self.paper / "claims.json"
+
     def summary(self, stage: str) -> Path:
         """``summaries/<stage>.json``."""
         return self.summaries / f"{stage}.json"
+
+    def write_summary(self, stage: str, summary: Mapping[str, Any]) -> Path:
+        """Write ``summaries/<stage>.json`` atomically (JSON-safe values, ``io.plain``: NaN is null);
+        every stage's summary goes through here, so they share one format."""
+        return write_json(self.summary(stage), summary)
 
     def figure(self, name: str) -> Path:
         """``figures/<name>.png``."""
         return self.figures / f"{name}.png"
 
+    # -- episodes, generations, scored rows ----------------------------------------------------
     def episodes(self, formulation: str) -> Path:
         """``episodes/<formulation>.jsonl``."""
         return self.root / "episodes" / f"{formulation}.jsonl"
 
     def generations(self, model_label: str) -> Path:
-        """``generations/<model>/``: the generation cache files of one model."""
+        """``generations/<model>/``: the generation cache files of one model (or of a judge,
+        ``judge__<judge>``)."""
         return self.root / "generations" / model_label
+
+    def generation_file(self, model_label: str, stem: str) -> Path:
+        """``generations/<model>/<stem>.jsonl``: one cache file."""
+        return self.generations(model_label) / f"{stem}.jsonl"
+
+    def scored_dir(self, folder: str = "scored") -> Path:
+        """``scored/`` (``folder="scored_judged"``: the judged layer)."""
+        return self.root / folder
 
     def scored(self, model_label: str, folder: str = "scored") -> Path:
         """``scored/<model>/`` (``folder="scored_judged"``: the judged layer)."""
-        return self.root / folder / model_label
+        return self.scored_dir(folder) / model_label
+
+    def scored_file(self, model_label: str, key: str, folder: str = "scored") -> Path:
+        """``scored/<model>/<arm_key>.jsonl``."""
+        return self.scored(model_label, folder) / f"{key}.jsonl"
+
+    def closed_book(self, model_label: str, variant: str) -> Path:
+        """``scored/<model>/closed_book_<variant>.jsonl``: notebook 02's memory status."""
+        return self.scored_file(model_label, f"closed_book_{variant}")
+
+    # -- adapters (04, 06) ---------------------------------------------------------------------
+    def adapters(self, model_label: str) -> Path:
+        """``adapters/<model>/``."""
+        return self.root / "adapters" / model_label
 
     def adapter(self, model_label: str, objective: str, fold: Union[int, str]) -> Path:
         """``adapters/<model>/<objective>/fold<k>/``."""
-        return self.root / "adapters" / model_label / objective / f"fold{fold}"
+        return self.adapters(model_label) / objective / f"fold{fold}"
 
-    def notebook(self, name: str) -> Path:
-        return self.root / "notebooks" / name
+    def external_adapter(self, model_label: str, objective: str) -> Path:
+        """``adapters/<model>/<objective>/external/``: the reverse-transfer adapter (06)."""
+        return self.adapters(model_label) / objective / "external"
+
+    def untreated_closed_book(self, model_label: str, variant: str) -> Path:
+        """``adapters/<model>/untreated_closed_book_<variant>.jsonl``: 04's untreated closed-book rows."""
+        return self.adapters(model_label) / f"untreated_closed_book_{variant}.jsonl"
+
+    # -- probes (05) ---------------------------------------------------------------------------
+    def probes(self, model_label: str) -> Path:
+        """``probes/<model>/``."""
+        return self.root / "probes" / model_label
+
+    def probe_lens(self, model_label: str, key: str) -> Path:
+        """``probes/<model>/lens/<fit key>/``: a fitted Jacobian lens."""
+        return self.probes(model_label) / "lens" / key
+
+    def probe_sae(self, model_label: str, layer: int) -> Path:
+        """``probes/<model>/sae/layer<l>/``: a trained sparse autoencoder."""
+        return self.probes(model_label) / "sae" / f"layer{layer}"
+
+    def probe_steer_cache(self, model_label: str) -> Path:
+        """``probes/<model>/steer/replies.jsonl``: the steered replies (cache)."""
+        return self.probes(model_label) / "steer" / "replies.jsonl"
+
+    # -- transfer (06) -------------------------------------------------------------------------
+    def transfer_scored(self, model_label: str, arm: str) -> Path:
+        """``transfer/<model>/scored_<arm>.jsonl``."""
+        return self.root / "transfer" / model_label / f"scored_{arm}.jsonl"
+
+    # -- the agent loop (07) -------------------------------------------------------------------
+    def agent(self, model_label: str) -> Path:
+        """``agent/<model>/``."""
+        return self.root / "agent" / model_label
+
+    def agent_traces(self, model_label: str) -> Path:
+        """``agent/<model>/traces.jsonl``: 07's events (resumable)."""
+        return self.agent(model_label) / "traces.jsonl"
+
+    def agent_cache(self, model_label: str) -> Path:
+        """``agent/<model>/cache/``: the agent's replies."""
+        return self.agent(model_label) / "cache"
+
+    def agent_closed_book(self, model_label: str, variant: str = "forced") -> Path:
+        """``agent/<model>/closed_book_<variant>.jsonl``: the agent questions' closed-book rows."""
+        return self.agent(model_label) / f"closed_book_{variant}.jsonl"
+
+    def agent_arm_traces(self, model_label: str, arm: str) -> Path:
+        """``agent/<model>/arms/<arm>/traces.jsonl``: an extra arm's events (an adapter, a sampling seed)."""
+        return self.agent(model_label) / "arms" / arm / "traces.jsonl"
 
 
 @dataclass(frozen=True)

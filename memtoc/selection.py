@@ -1,11 +1,17 @@
-"""The deterministic, stratified and nested question selection every stage draws its questions with."""
+"""The deterministic, stratified and nested question selection every stage draws its questions with,
+and the run's selection (:func:`run_selection`): the questions and formulations of a run, computed
+once from its configuration and read by every stage (notebook 02, the episodes, fine-tuning,
+transfer, the agent loop)."""
 from __future__ import annotations
 
 import random
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
 
 from .config import PAPER_SEED
+from .models import formulations_for
 from .records import Question
+from .runconfig import RunConfig
 
 
 def select_questions(questions: Iterable[Question], n: int, seed: int = PAPER_SEED) -> list[Question]:
@@ -32,3 +38,49 @@ def select_questions(questions: Iterable[Question], n: int, seed: int = PAPER_SE
         order.append(by_kind[kind][taken[kind]])
         taken[kind] += 1
     return order
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The questions and formulations of a run.
+
+    ``order`` is the whole analysis set in the run's selection order (:func:`select_questions` with
+    the run's seed); since the selection is nested, every stage's questions are a prefix of it:
+    ``headline`` (the first ``n_questions``: notebooks 02-04, transfer's reverse evaluation),
+    ``extra`` (the first ``n_questions_extra``: the extra arms) and ``first(n)`` (a stage's own size,
+    e.g. ``agent.n_questions``)."""
+    order: tuple[Question, ...]
+    n_questions: int
+    n_questions_extra: int
+    formulations: tuple[str, ...]
+    base_formulations: Optional[tuple[str, ...]]
+
+    @property
+    def headline(self) -> list[Question]:
+        return self.first(self.n_questions)
+
+    @property
+    def extra(self) -> list[Question]:
+        return self.first(self.n_questions_extra)
+
+    def first(self, n: int) -> list[Question]:
+        """The first ``n`` questions of the run's selection (``select_questions(analysis, n, seed)``)."""
+        return list(self.order[:max(0, int(n))])
+
+    def formulations_for(self, model: str, formulations: Optional[Sequence[str]] = None) -> list[str]:
+        """The formulations ``model`` runs on: the run's (or ``formulations``, in their order), for a
+        base model only those in the run's ``base_formulations`` (``models.formulations_for``)."""
+        forms = list(self.formulations if formulations is None else formulations)
+        base = None if self.base_formulations is None else list(self.base_formulations)
+        return formulations_for(model, forms, base)
+
+
+def run_selection(cfg: RunConfig, bench) -> Selection:
+    """The run's selection from its configuration (a params mapping is read with ``RunConfig.of``)
+    and the loaded benchmark (``benchmark.load_benchmark(cfg.release_dir)``): the benchmark's analysis
+    set ordered by :func:`select_questions` with ``cfg.seed``, the run's sizes and formulations."""
+    cfg = RunConfig.of(cfg)
+    analysis = list(bench.analysis)
+    return Selection(order=tuple(select_questions(analysis, len(analysis), cfg.seed)),
+                     n_questions=cfg.n_questions, n_questions_extra=cfg.n_questions_extra,
+                     formulations=tuple(cfg.formulations), base_formulations=cfg.base_formulations)

@@ -20,15 +20,18 @@ Training data (the paper's rule, :func:`training_examples`)
     (``models.render_prompt``: one user turn, no system turn for the embedded model), minus the
     template's leading BOS text when trl's plain-text tokenization adds one itself
     (:func:`training_prompt`; checked token for token against inference by
-    :func:`check_training_tokens`); trl appends the EOS token to every completion. Excluded questions
-    (outside the 542) may be trained on.
+    :func:`check_training_tokens`); trl appends the end-of-turn token the chat template writes after
+    an assistant message (:func:`training_eos`; the EOS for base models) to every completion, so the
+    rows equal the paper's Trainer recipe token for token (tests/test_finetune_recipe.py). The near
+    value is the one before the repair overlay (``near_original``), as in the release's pairs.
+    Excluded questions (outside the 542) may be trained on.
 
 Cross-fitting (:func:`crossfit_plan`)
     The two chain-level folds of the 575-question pool (``Question.fold``: the release's frozen split,
     ``crossfit_folds.json``, see ``benchmark``). ``exclude_linked`` (default off) drops from each
     fold's training data the questions linked to the other fold (``construct.related_links``). The adapter trained on
     fold k is evaluated only on analysis-set questions of the *other* fold, taken from the run's
-    headline selection (``select_questions(analysis, n_questions)``, so the untreated replies of
+    headline selection (``selection.run_selection(cfg, bench).headline``, so the untreated replies of
     notebook 03 are reused from the cache). :func:`check_no_leakage` refuses a plan in which an
     evaluated question's chain is in its adapter's training data. Matched SFT and DPO runs share
     the base checkpoint, hyper-parameters, LoRA configuration, seed and data order.
@@ -130,7 +133,7 @@ from .tables import (adapters_table, closed_book_table, criterion_table, delta_t
                      plot_loss_curve)
 from .training import (TRAINING_KEYS, check_training_tokens, config_hash, finished_adapter, leading_special_text,
                        load_train_model, loss_curve, make_trainer, train_adapter, training_arguments,
-                       training_config, training_prompt, warmup_kwargs)
+                       training_config, training_eos, training_prompt, warmup_kwargs)
 
 
 def finetune_params(params: RunConfig | Mapping[str, Any], source: str = "<params>") -> FinetuneConfig:
@@ -146,5 +149,5 @@ __all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED
            "evaluate_adapter", "finetune_params", "finished_adapter", "leading_special_text", "load_train_model",
            "loss_curve", "make_trainer", "paired_deltas", "pair_preference", "plan", "plan_table", "plot_deltas",
            "plot_loss_curve", "read_stage_summary", "read_summary", "run", "score_with", "sft_rows",
-           "train_adapter", "training_arguments", "training_config", "training_examples", "training_prompt",
-           "warmup_kwargs", "write_stage_summary", "write_summary"]
+           "train_adapter", "training_arguments", "training_config", "training_eos", "training_examples",
+           "training_prompt", "warmup_kwargs", "write_stage_summary", "write_summary"]

@@ -1,5 +1,5 @@
 """Shared pieces of the fine-tuning stage: its error, constants, the adapter layout and the
-summary files."""
+summary files (both from :class:`memtoc.runconfig.RunPaths`)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from typing import Any
 
 from ..blockconfig import EVAL_CONDITIONS, OBJECTIVES
 from ..config import MemtocError
-from ..io import write_json
+from ..runconfig import RunPaths
 from ..vocab import CONFLICT_CONDITIONS, HEADLINE_METRICS
 
 SCHEMA_VERSION = 2
@@ -29,7 +29,8 @@ class FinetuneError(MemtocError):
 
 
 def adapter_dir(run_dir, model_label: str, objective: str, fold: int) -> Path:
-    return Path(run_dir) / "adapters" / model_label / objective / f"fold{fold}"
+    """``adapters/<model>/<objective>/fold<k>/`` of the run ``run_dir`` (``RunPaths.adapter``)."""
+    return RunPaths(run_dir).adapter(model_label, objective, fold)
 
 
 def close_generator(gen) -> None:
@@ -39,22 +40,22 @@ def close_generator(gen) -> None:
         close()
 
 
-def write_stage_summary(summary: dict[str, Any], run_dir, name: str) -> Path:
-    """Write ``summaries/<name>`` atomically (JSON-safe values, ``io.plain``)."""
-    return write_json(Path(run_dir) / "summaries" / name, summary, indent=1, newline=False)
+def write_stage_summary(summary: dict[str, Any], run_dir, stage: str) -> Path:
+    """Write ``summaries/<stage>.json`` atomically (``RunPaths.write_summary``)."""
+    return RunPaths(run_dir).write_summary(stage, summary)
 
 
-def read_stage_summary(run_dir, name: str, notebook: str, error: type[MemtocError] = None) -> dict[str, Any]:
-    """``summaries/<name>``; ``error`` (default :class:`FinetuneError`) names ``notebook`` when it is absent."""
-    path = Path(run_dir) / "summaries" / name
+def read_stage_summary(run_dir, stage: str, notebook: str, error: type[MemtocError] = None) -> dict[str, Any]:
+    """``summaries/<stage>.json``; ``error`` (default :class:`FinetuneError`) names ``notebook`` when it is absent."""
+    path = RunPaths(run_dir).summary(stage)
     if not path.is_file():
         raise (error or FinetuneError)(f"{path} does not exist; run notebook {notebook} first")
     return json.loads(path.read_text())
 
 
 def write_summary(summary: dict[str, Any], run_dir) -> Path:
-    return write_stage_summary(summary, run_dir, "finetuning.json")
+    return write_stage_summary(summary, run_dir, "finetuning")
 
 
 def read_summary(run_dir) -> dict[str, Any]:
-    return read_stage_summary(run_dir, "finetuning.json", "04_finetuning")
+    return read_stage_summary(run_dir, "finetuning", "04_finetuning")

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 import pandas as pd
 
 from ..benchmark import load_benchmark, select_questions
+from ..selection import run_selection
 from ..config import PAPER_SEED
 from ..construct import related_links
 from ..records import Question
@@ -106,7 +107,7 @@ def plan(cfg: RunConfig, bench=None):
     ft = cfg.finetune
     if bench is None:
         bench = load_benchmark(cfg.release_dir)
-    plans = crossfit_plan(bench.questions, select_questions(bench.analysis, cfg.n_questions, cfg.seed), ft.folds,
+    plans = crossfit_plan(bench.questions, run_selection(cfg, bench).headline, ft.folds,
                           ft.train_questions_per_fold, ft.eval_questions_per_fold, cfg.seed,
                           exclude_linked=ft.exclude_linked)
     examples = {p.train_fold: training_examples(p.train_questions, ft.train_formulations) for p in plans}

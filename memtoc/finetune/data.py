@@ -1,7 +1,7 @@
 """Training pairs (pure): the paper's rule (:func:`training_examples`) and trl's row formats."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..episodes import build_episodes
@@ -40,9 +40,12 @@ def training_examples(questions: Iterable[Question], formulations: Sequence[str]
     the tool's near value) and a tool_right example (the tool value = gold over the near value).
 
     Prompts are the untreated, schema-frame with-tool prompts of ``episodes.build_episodes``.
-    Questions whose near value equals the gold (no contrast) are skipped.
+    Questions whose near value equals the gold (no contrast) are skipped. The near value is the
+    table's, before the repair overlay (``Question.near_original``), as in the release's training
+    pairs (built from the unrepaired mapping); the 39 repaired questions are evaluated on the
+    repaired value.
     """
-    questions = list(questions)
+    questions = [replace(q, near=q.near_original) for q in questions]
     by_id = {q.id: q for q in questions}
     out: list[TrainExample] = []
     for ep in build_episodes(questions, list(formulations), TRAIN_CONDITIONS):

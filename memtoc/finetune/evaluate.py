@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .. import analyses, elicitation, evaluation, models, stats
+from .. import elicitation, evaluation, intervals, models, stats
 from ..config import DEFAULTS
 from ..episodes import build_episodes
 from ..io import plain
@@ -49,7 +49,7 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
             b = bu if form == "pooled" else bu[bu["formulation"] == form]
             if form != "pooled" and len(t) == 0 and len(b) == 0:
                 continue
-            c = analyses.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed,
+            c = intervals.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed,
                                     treatment="adapter", baseline="untreated")
             pu = paired_units(t, b)
             if len(pu):
@@ -58,8 +58,8 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
             else:
                 c["treated"] = c["untreated"] = None
             deltas[m][form] = c
-    analyses.apply_holm({m: deltas[m]["pooled"] for m in metrics if "pooled" in deltas[m]})
-    analyses.apply_holm({f"{m}/{f}": deltas[m][f] for m in metrics for f in deltas[m] if f != "pooled"})
+    intervals.apply_holm({m: deltas[m]["pooled"] for m in metrics if "pooled" in deltas[m]})
+    intervals.apply_holm({f"{m}/{f}": deltas[m][f] for m in metrics for f in deltas[m] if f != "pooled"})
     for m in metrics:
         for f, c in deltas[m].items():
             c["family"] = "pooled" if f == "pooled" else "per_formulation"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from .. import analyses, elicitation, models
+from .. import elicitation, models, stats
 from ..benchmark import load_benchmark
 from ..construct import related_summary
 from ..io import write_jsonl
@@ -43,7 +43,7 @@ def run(cfg: RunConfig, progress: bool = True, force_train: bool = False) -> dic
         summary["models"][model] = msum
     # the paper's Holm families (stats.FAMILIES): retention and correct-tool following, each over
     # models x objectives per slice; the other metrics uncorrected; criteria recomputed (H4)
-    analyses.apply_finetune_families(summary, cfg.alpha)
+    stats.apply_finetune_families(summary, cfg.alpha)
     write_summary(summary, cfg.run_dir)
     return summary
 
@@ -98,7 +98,7 @@ def evaluate_model(cfg: RunConfig, model: str, plans, gen_kw: dict[str, Any], ms
     gen = models.load_generator(model, **gen_kw)
     try:
         memory = elicitation.elicit(gen, model, all_qs, forms, variant, run_dir, matcher=cfg.matcher,
-                                    scored_file=run_dir / "adapters" / model / f"untreated_closed_book_{variant}.jsonl")
+                                    scored_file=cfg.paths.untreated_closed_book(model, variant))
         untreated = score_with(gen, model, all_eps, memory, run_dir, cfg.matcher)
     finally:
         close_generator(gen)

@@ -33,10 +33,13 @@ def training_config(ft: FinetuneConfig) -> dict[str, Any]:
     return {k: resolved[k] for k in TRAINING_KEYS}
 
 
-def config_hash(objective: str, ft: FinetuneConfig, base_weights: str, rows: Sequence[dict]) -> str:
-    """Hash of everything an adapter depends on: objective, hyper-parameters, base weights, data."""
+def config_hash(objective: str, ft: FinetuneConfig, base_weights: str, rows: Sequence[dict],
+                eos_token: Optional[str] = None) -> str:
+    """Hash of everything an adapter depends on: objective, hyper-parameters, base weights, data
+    (``eos_token``: the completions' end token, when it is not the tokenizer's own EOS)."""
+    extra = {"eos_token": eos_token} if eos_token is not None else {}
     return sha256_json({"objective": objective, "training": training_config(ft), "base_weights": base_weights,
-                 "data": sha256_json(list(rows))})[:16]
+                 "data": sha256_json(list(rows)), **extra})[:16]
 
 
 def finished_adapter(path: Path, chash: str) -> Optional[dict[str, Any]]:
@@ -167,6 +170,24 @@ def check_training_tokens(tokenizer, spec, prompts: Sequence[str]) -> None:
                                 f"{want[:6]}...); refusing to train on a context the model never sees")
 
 
+def training_eos(tokenizer, spec) -> str:
+    """The token every training completion ends with: for chat models the special token the chat
+    template writes right after an assistant message (``<end_of_turn>`` for gemma-2, while its
+    ``eos_token`` is ``<eos>``), else the tokenizer's ``eos_token``."""
+    _, special = models.render_prompt(tokenizer, spec, "x")
+    if special:
+        return tokenizer.eos_token
+    answer = "FINAL: \u2063x"
+    full = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": answer}],
+                                         tokenize=False)
+    after = full[full.rindex(answer) + len(answer):] if answer in full else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(ids[0]) if ids else None
+    if ids and (ids[0] in tokenizer.all_special_ids or getattr(added, "special", False)):
+        return tokenizer.convert_ids_to_tokens(ids[0])
+    return tokenizer.eos_token
+
+
 def load_train_model(base_path, ft: FinetuneConfig):
     """The base model for training (``train_dtype``; eager attention for soft-capping models)."""
     import torch
@@ -178,9 +199,13 @@ def load_train_model(base_path, ft: FinetuneConfig):
 
 
 def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: FinetuneConfig, out_dir,
-                 *, progress: bool = True):
+                 *, progress: bool = True, eos_token: Optional[str] = None):
     """trl's SFTTrainer (prompt-completion rows, completion-only loss) or DPOTrainer (preference
-    rows) with the LoRA configuration of ``ft``; the dataset is tokenized on construction."""
+    rows) with the LoRA configuration of ``ft``; the dataset is tokenized on construction.
+
+    trl appends ``tokenizer.eos_token`` to every completion; ``eos_token`` (:func:`training_eos`),
+    when given, is set as ``tokenizer.eos_token`` first (the tokenizer is changed), so completions
+    end with the chat template's end-of-turn token, as at inference."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -189,6 +214,8 @@ def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: Fin
     lora = LoraConfig(r=ft.lora_r, lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout,
                       target_modules=list(ft.target_modules), task_type="CAUSAL_LM", bias="none")
     common = training_arguments(ft, out_dir, progress=progress, cuda=torch.cuda.is_available())
+    if eos_token is not None:
+        tokenizer.eos_token = eos_token
     ds = Dataset.from_list(list(rows))
     if objective == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -224,7 +251,8 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
 
     check_training_tokens(tok, spec, [e.prompt for e in examples[:4]])
     rows = sft_rows(examples, render) if objective == "sft" else dpo_rows(examples, render)
-    chash = config_hash(objective, ft, models.weights_hash(base_path), rows)
+    eos = training_eos(tok, spec)
+    chash = config_hash(objective, ft, models.weights_hash(base_path), rows, eos if eos != tok.eos_token else None)
     done = finished_adapter(out_dir, chash)
     if done is not None and not force:
         return {**done, "resumed": True}
@@ -236,7 +264,7 @@ def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: 
         (out_dir / stale).unlink(missing_ok=True)
     model = load_train_model(base_path, ft)
     t0 = time.time()
-    trainer = make_trainer(model, tok, rows, objective, ft, out_dir, progress=progress)
+    trainer = make_trainer(model, tok, rows, objective, ft, out_dir, progress=progress, eos_token=eos)
     t_setup = time.time() - t0
     t1 = time.time()
     trainer.train()

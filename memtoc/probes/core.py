@@ -37,8 +37,8 @@ from .. import models
 from ..benchmark import load_benchmark
 from ..blockconfig import ProbesConfig
 from ..config import ConfigError, MemtocError, resolve_release_dir
-from ..io import write_json
-from ..runconfig import RunConfig
+from ..records import arm_key
+from ..runconfig import RunConfig, RunPaths
 from ..scoring import canon
 from . import corpus as C
 from . import lens as L
@@ -89,7 +89,7 @@ def band_of(pr: ProbesConfig, lm: LoadedModel) -> list[int]:
 def read_scored(run_dir: Path, label: str, formulations: Sequence[str]) -> list[dict]:
     rows = []
     for f in formulations:
-        p = run_dir / "scored" / label / f"untreated__{f}.jsonl"
+        p = RunPaths(run_dir).scored_file(label, arm_key("untreated", "schema", f))
         if not p.is_file():
             raise ProbeError(f"{p} does not exist: notebook 03_evaluation must run before 05_probes "
                              f"(model {label}, formulation {f})")
@@ -129,7 +129,7 @@ def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path,
         fit = {"file": str(given), "source": "given", "metadata": lens.metadata, "n_prompts": lens.n_prompts}
     else:
         key = L.fit_key(lm, corpus_info.sha256, band, pr.lens_skip_first, pr.lens_max_seq_len, len(docs_fit))
-        out = run_dir / "probes" / lm.spec.label / "lens" / key
+        out = RunPaths(run_dir).probe_lens(lm.spec.label, key)
         lens = L.fit_lens(lm, docs_fit, band, out, max_seq_len=pr.lens_max_seq_len,
                           skip_first=pr.lens_skip_first, dim_batch=pr.lens_dim_batch,
                           metadata={"model": lm.name, "weights_sha256": lm.weights_sha256,
@@ -239,7 +239,7 @@ def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_di
         else:
             sae, info = S.train_topk(acts, pr.sae_expansion * lm.d_model, pr.sae_k, pr.sae_steps,
                                      pr.sae_batch, pr.sae_lr, seed=cfg.seed + l)
-            d = run_dir / "probes" / lm.spec.label / "sae" / f"layer{l}"
+            d = RunPaths(run_dir).probe_sae(lm.spec.label, l)
             S.save_sae(sae, d, model_name=lm.name, layer=l,
                        extra={"corpus": corpus_info.to_dict(), "train": info})
             info = info | {"source": "trained here", "file": str(d.relative_to(run_dir))}   # relative: the run moves
@@ -319,7 +319,7 @@ def mine_and_steer(lm: LoadedModel, cfg: RunConfig, mine: list[dict], edit: list
 
 def steer_layer(lm, cfg: RunConfig, l, sae, sha, feats, sel, run_dir, matcher, bar) -> dict[str, Any]:
     pr = cfg.probes
-    cache = run_dir / "probes" / lm.spec.label / "steer" / "replies.jsonl"
+    cache = RunPaths(run_dir).probe_steer_cache(lm.spec.label)
     cache.parent.mkdir(parents=True, exist_ok=True)
     mnt = cfg.max_new_tokens
     res: dict[str, Any] = {}
@@ -364,7 +364,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     docs, cinfo = C.load_corpus(pr.corpus)
     docs_fit, docs_held = C.split_corpus(docs, max(pr.lens_fit_prompts, pr.sae_corpus_texts), pr.heldout_texts)
     bench = load_benchmark(cfg.release_dir)
-    ev_path = run_dir / "summaries" / "evaluation.json"
+    ev_path = cfg.paths.summary("evaluation")
     evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": cfg.run_name,
                                "corpus": cinfo.to_dict(), "caveat": CAVEAT.format(corpus=cinfo.name),
@@ -385,7 +385,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "timing": {"load": t_load, **{f"lens_{k}": v for k, v in lz["seconds"].items()},
                        "sae_total": time.time() - t1, "total": time.time() - t0}}
         del lm
-    write_json(run_dir / "summaries" / "probes.json", summary)
+    cfg.paths.write_summary("probes", summary)
     return summary
 
 

@@ -8,7 +8,7 @@ the release's computed summaries through memtoc's own analysis code.
 * The release's rates are rebuilt as scored frames with the same counts (:mod:`.frames`) and run
   through the pipeline: ``metrics.pooled_point_metrics`` (Table 1), notebook 03's prompting section
   ``analyses.arm_comparison`` (Table 4: the Reference formulation's rates; §5.4: its question-paired
-  contrasts, ``analyses.contrast``), ``metrics.formulation_spread`` (§5.3),
+  contrasts, ``intervals.contrast``), ``metrics.formulation_spread`` (§5.3),
   ``stats.paired_contrast`` / ``stats.holm_family`` / ``stats.success_criterion`` (§5.2, Table 1's
   criterion, distractor distance, protocol sentence), ``stats.ranking_stability`` (the orderings).
 * Each check's ``via`` (the outermost function) and ``calls`` (every pipeline function that ran)

@@ -13,8 +13,8 @@ Episodes (one per item × formulation × condition; MemToC's wording, ``memtoc.p
     ``unanswerable``  passage frame with the unanswerable row's passage; target: abstain.
     Counterfactual items are read on their common support (items in every requested frame's pool).
 
-Metrics (per arm; rates with question-cluster bootstrap intervals, ``analyses.rate_intervals``;
-adapter − untreated paired on common support, ``analyses.contrast``): see :data:`METRIC_DOC`.
+Metrics (per arm; rates with question-cluster bootstrap intervals, ``intervals.rate_intervals``;
+adapter − untreated paired on common support, ``intervals.contrast``): see :data:`METRIC_DOC`.
 
 Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``, and any
 ``extra_adapters``, e.g. adapters trained on the full 575-question pool) against the untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
@@ -57,14 +57,16 @@ from typing import Any, Optional, Sequence
 
 import pandas as pd
 
-from .. import analyses, elicitation, evaluation, finetune, models, prompts
-from ..benchmark import load_benchmark, select_questions
+from .. import elicitation, evaluation, finetune, intervals, models, prompts
+from ..benchmark import load_benchmark
 from ..blockconfig import TransferConfig
 from ..config import DEFAULTS, FORMULATIONS, MemtocError, check_choice, resolve_release_dir
 from ..metrics import definitions, paired_units
 from ..records import Question
-from ..runconfig import RunConfig
+from ..io import atomic_write_text
+from ..runconfig import RunConfig, RunPaths
 from ..scoring import canon
+from ..selection import run_selection
 from .data import POOLS, TransferItem, load_items
 from .matcher import ABSTAIN, match_choice
 
@@ -232,7 +234,7 @@ def active_metrics(frames: Sequence[str]) -> list[str]:
 def arm_rates(scored: pd.DataFrame, mem_right: set, formulations: Sequence[str], frames: Sequence[str],
               n_boot: int = DEFAULTS["n_boot"], seed: int = 0, alpha: float = DEFAULTS["alpha"]) -> dict[str, dict]:
     """``{metric: {form: interval, "pooled": interval}}`` for one arm."""
-    return {m: analyses.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
+    return {m: intervals.rate_intervals(metric_units(scored, m, mem_right), formulations, n_boot=n_boot,
                                          seed=seed, alpha=alpha)
             for m in active_metrics(frames)}
 
@@ -251,12 +253,12 @@ def arm_deltas(treated: pd.DataFrame, untreated: pd.DataFrame, mem_right: set, f
             b = bu if form == "pooled" else bu[bu["formulation"] == form]
             if form != "pooled" and len(formulations) == 1:
                 continue
-            c = analyses.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed, treatment=arm, baseline="untreated")
+            c = intervals.contrast(t, b, n_boot=n_boot, n_perm=n_perm, seed=seed, treatment=arm, baseline="untreated")
             pu = paired_units(t, b)
             c["treated"] = float(pu["t"].mean()) if len(pu) else None
             c["untreated"] = float(pu["b"].mean()) if len(pu) else None
             out[m][form] = c
-    analyses.apply_holm({m: out[m]["pooled"] for m in TABLE6_METRICS if m in out})
+    intervals.apply_holm({m: out[m]["pooled"] for m in TABLE6_METRICS if m in out})
     return out
 
 
@@ -410,7 +412,7 @@ def run_model(cfg: RunConfig, model: str, episodes, cf, un, bench, timing: dict[
         finetune.close_generator(gen)
     timing[f"{model}/untreated"] = round(time.time() - t1, 1)
     mem = memory_right(base)
-    _write(run_dir / "transfer" / model / "scored_untreated.jsonl", base)
+    _write(cfg.paths.transfer_scored(model, "untreated"), base)
     ms["support"] = {"n_items": len(cf), "n_unanswerable": len(un),
                      "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
     rates_b = arm_rates(base, mem, forms, frames, cfg.n_boot, 0, cfg.alpha)
@@ -423,9 +425,9 @@ def run_model(cfg: RunConfig, model: str, episodes, cf, un, bench, timing: dict[
             raise TransferError(f"transfer.extra_adapters.{arm}: {d} is not a peft adapter directory "
                                 "(no adapter_config.json)")
         found[arm] = Path(d)
-    ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under {adapter_root}/adapters/"
-                          f"{model}/ for objectives {list(tr.forward_objectives)} folds {list(tr.forward_folds)}; "
-                          "run 04 first (finetune.enabled) for forward transfer")
+    ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under "
+                          f"{RunPaths(adapter_root).adapters(model)}/ for objectives {list(tr.forward_objectives)} "
+                          f"folds {list(tr.forward_folds)}; run 04 first (finetune.enabled) for forward transfer")
     for arm, path in found.items():
         t1 = time.time()
         ms["arms"][arm], ms["forward"][arm] = forward_arm(cfg, model, arm, path, episodes, mem, base, rates_b)
@@ -450,7 +452,7 @@ def forward_arm(cfg: RunConfig, model: str, arm: str, path: Path, episodes, mem:
         treated = run_arm(agen, gen_label, arm, episodes, cfg.run_dir)
     finally:
         finetune.close_generator(agen)
-    _write(cfg.run_dir / "transfer" / model / f"scored_{arm}.jsonl", treated)
+    _write(cfg.paths.transfer_scored(model, arm), treated)
     rates_t = arm_rates(treated, mem, tr.formulations, tr.frames, cfg.n_boot, 0, cfg.alpha)
     deltas = arm_deltas(treated, base, mem, tr.formulations, tr.frames, arm, cfg.n_boot, cfg.n_perm, 0)
     return {"rates": rates_t, "adapter": str(path)}, {
@@ -465,7 +467,7 @@ def reverse_eval_questions(bench, cfg: RunConfig, label: str) -> tuple[list[Ques
     formulation (notebook 02's file, when present) first, so that retention (arb cell) has units at
     small sizes. Both arms are scored on the same questions, so the comparison stays paired; the
     population is stated in ``eval_selection``."""
-    sel = select_questions(bench.analysis, cfg.n_questions, cfg.seed)
+    sel = run_selection(cfg, bench).headline
     n = cfg.transfer.reverse_eval_questions
     try:
         mem = elicitation.load_memory(cfg.run_dir, label, cfg.closed_book_variant)
@@ -493,7 +495,7 @@ def reverse(cfg: RunConfig, cf_items, bench, model, r_questions, r_eps, memory, 
     rft = dataclasses.replace(cfg.finetune, max_steps=tr.reverse_max_steps, batch_size=tr.reverse_batch_size)
     spec = models.get_model(model)
     base_path = models.prepare_model(model, cache_dir=cfg.model_cache_dir)
-    path = run_dir / "adapters" / model / REVERSE_OBJECTIVE / "external"
+    path = cfg.paths.external_adapter(model, REVERSE_OBJECTIVE)
     if progress:
         print(f"[transfer] {model} reverse DPO: {len(examples)} external pairs -> {path}")
     rec = finetune.train_adapter(base_path, spec, examples, "dpo", rft, path, progress=progress)
@@ -511,17 +513,16 @@ def reverse(cfg: RunConfig, cf_items, bench, model, r_questions, r_eps, memory, 
 
 
 def _write(path: Path, df: pd.DataFrame) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in df.to_dict("records")),
-                    encoding="utf-8")
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n"
+                                    for r in df.to_dict("records")))
 
 
 def write_summary(summary: dict[str, Any], run_dir) -> Path:
-    return finetune.write_stage_summary(summary, run_dir, "transfer.json")
+    return finetune.write_stage_summary(summary, run_dir, "transfer")
 
 
 def read_summary(run_dir) -> dict[str, Any]:
-    return finetune.read_stage_summary(run_dir, "transfer.json", "06_transfer", TransferError)
+    return finetune.read_stage_summary(run_dir, "transfer", "06_transfer", TransferError)
 
 
 # ==================================================================================================
