@@ -185,7 +185,7 @@ def test_pairs_use_the_with_tool_prompts_of_evaluation(bench):
 
 
 def test_formulation_subset_and_degenerate_pairs():
-    same = dataclasses.replace(_q(2, 2, 0), near="Gold City 2")
+    same = dataclasses.replace(_q(2, 2, 0), near="Gold City 2", near_original="Gold City 2")
     ex = F.training_examples([_q(0, 1, 0), same], ["reference"])
     assert {e.question_id for e in ex} == {"1.0"} and len(ex) == 2
 

@@ -204,8 +204,8 @@ def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: Fin
     rows) with the LoRA configuration of ``ft``; the dataset is tokenized on construction.
 
     trl appends ``tokenizer.eos_token`` to every completion; ``eos_token`` (:func:`training_eos`),
-    when given, is set as ``tokenizer.eos_token`` first (the tokenizer is changed), so completions
-    end with the chat template's end-of-turn token, as at inference."""
+    when given, is ``tokenizer.eos_token`` while the rows are tokenized (then restored), so
+    completions end with the chat template's end-of-turn token, as at inference."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -214,16 +214,20 @@ def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: Fin
     lora = LoraConfig(r=ft.lora_r, lora_alpha=ft.lora_alpha, lora_dropout=ft.lora_dropout,
                       target_modules=list(ft.target_modules), task_type="CAUSAL_LM", bias="none")
     common = training_arguments(ft, out_dir, progress=progress, cuda=torch.cuda.is_available())
+    ds = Dataset.from_list(list(rows))
+    own_eos = tokenizer.eos_token
     if eos_token is not None:
         tokenizer.eos_token = eos_token
-    ds = Dataset.from_list(list(rows))
-    if objective == "sft":
-        from trl import SFTConfig, SFTTrainer
-        return SFTTrainer(model=model, args=SFTConfig(completion_only_loss=True, **common), train_dataset=ds,
+    try:
+        if objective == "sft":
+            from trl import SFTConfig, SFTTrainer
+            return SFTTrainer(model=model, args=SFTConfig(completion_only_loss=True, **common), train_dataset=ds,
+                              processing_class=tokenizer, peft_config=lora)
+        from trl import DPOConfig, DPOTrainer
+        return DPOTrainer(model=model, args=DPOConfig(beta=float(ft.dpo_beta), **common), train_dataset=ds,
                           processing_class=tokenizer, peft_config=lora)
-    from trl import DPOConfig, DPOTrainer
-    return DPOTrainer(model=model, args=DPOConfig(beta=float(ft.dpo_beta), **common), train_dataset=ds,
-                      processing_class=tokenizer, peft_config=lora)
+    finally:
+        tokenizer.eos_token = own_eos
 
 
 def train_adapter(base_path, spec, examples: Sequence[TrainExample], objective: str, ft: FinetuneConfig,
