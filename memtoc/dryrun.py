@@ -146,6 +146,15 @@ def dpo_seconds(n_examples: float, params_b: float) -> float:
     return n_examples * TRAIN_TOKENS_PER_EXAMPLE * 16 * params_b * 1e9 / (GPU_TFLOPS * 1e12 * MFU)
 
 
+def memory_line(label: str, spec, e: dict[str, Any], backend: str, suffix: str = "") -> str:
+    """One model's line of the memory plan (``e``: :func:`estimate_model`)."""
+    if e["weights_gb"] is None:
+        return f"  {label} {backend}: memory unknown (no parameter count)"
+    gpu = f"{e['gpu_class']} GB GPU" if e["gpu_class"] else "no single GPU (needs more than 80 GB)"
+    return (f"  {label} {spec.params_b:g}B params, {e['quant']}: weights ~{e['weights_gb']:.0f} GB, "
+            f"needs ~{e['gpu_gb']:.0f} GB -> {gpu}{suffix}")
+
+
 def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) -> list[dict[str, Any]]:
     """The judge engine's memory line (notebook 03 loads it after closing the run's generators, so
     it needs its own GPU share, not one beside theirs); [] without a judge or a parameter count."""
@@ -157,12 +166,10 @@ def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) ->
     except models.ModelError:
         spec = models.ModelSpec(j["model"], j["model"], "remote")
     e = estimate_model(spec, j["backend"], params["dtype"], j.get("backend_options") or {})
+    lines.append(memory_line(f"judge {spec.name:<26}", spec, e, j["backend"],
+                             " (loaded in 03 after the run's generators are closed)"))
     if e["weights_gb"] is None:
-        lines.append(f"  judge {spec.name:<26} {j['backend']}: memory unknown (no parameter count)")
         return []
-    gpu = f"{e['gpu_class']} GB GPU" if e["gpu_class"] else "no single GPU (needs more than 80 GB)"
-    lines.append(f"  judge {spec.name:<26} {spec.params_b:g}B params, {e['quant']}: weights ~{e['weights_gb']:.0f} GB, "
-                 f"needs ~{e['gpu_gb']:.0f} GB -> {gpu} (loaded in 03 after the run's generators are closed)")
     if e["gpu_class"] is None:
         cannot.append(f"the judge {spec.name} needs ~{e['gpu_gb']:.0f} GB of GPU memory; raise "
                       "judge.backend_options.gpu_memory_utilization or use a smaller judge")
@@ -398,13 +405,8 @@ def _memory_lines(ctx: Context, source: str) -> tuple[list[str], list]:
     for spec in ctx.specs:
         e = estimate_model(spec, params["backend"], params["dtype"], params["backend_options"] or {})
         ctx.est[spec.name] = e
-        if e["weights_gb"] is None:
-            lines.append(f"  {spec.name:<32} {params['backend']}: memory unknown (no parameter count)")
-            continue
-        gpu = f"{e['gpu_class']} GB GPU" if e["gpu_class"] else "no single GPU (needs more than 80 GB)"
-        lines.append(f"  {spec.name:<32} {spec.params_b:g}B params, {e['quant']}: weights ~{e['weights_gb']:.0f} GB, "
-                     f"needs ~{e['gpu_gb']:.0f} GB -> {gpu}")
-        if e["gpu_class"] is None:
+        lines.append(memory_line(f"{spec.name:<32}", spec, e, params["backend"]))
+        if e["weights_gb"] is not None and e["gpu_class"] is None:
             cannot.append(f"{spec.name} in {e['quant']} needs ~{e['gpu_gb']:.0f} GB of GPU memory, more than one "
                           "80 GB GPU; use a quantized checkpoint (e.g. AWQ-int4) or a smaller model")
     judge_est = judge_memory(params, lines, cannot)
