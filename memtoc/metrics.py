@@ -474,22 +474,6 @@ def summarize(df: pd.DataFrame, by: Sequence[str] = ("model", "arm", "formulatio
     return result
 
 
-def common_support(df_a: pd.DataFrame, df_b: pd.DataFrame, on: Union[str, Sequence[str]] = "qkey",
-                   condition: Union[None, str, Iterable[str]] = None,
-                   cell: Union[None, str, Iterable[str]] = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Restrict two scored frames to the keys present in both (paired comparisons: far vs
-    canonical, treated vs untreated). With ``condition``/``cell`` the frames are first restricted
-    to those episodes, so the support is that of one metric's denominator. ``on`` is "qkey" or,
-    for pooled units, ("qkey", "formulation")."""
-    on = [on] if isinstance(on, str) else list(on)
-    if condition is not None:
-        df_a, df_b = subset(df_a, condition, cell), subset(df_b, condition, cell)
-    ka = pd.MultiIndex.from_frame(df_a[on].astype(str))
-    kb = pd.MultiIndex.from_frame(df_b[on].astype(str))
-    both = ka.intersection(kb)
-    return df_a[ka.isin(both)], df_b[kb.isin(both)]
-
-
 def synthetic_arm(n_questions: int = 542, seed: int = 0, formulations: Sequence[str] = FORMULATIONS,
                   model: str = "synthetic", arm: str = "untreated") -> pd.DataFrame:
     """A random scored arm (4 core conditions x formulations) with plausible cell rates, for

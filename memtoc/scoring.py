@@ -172,12 +172,6 @@ def canon_strict(s: Optional[str]) -> str:
     return " ".join(_canon_tokens(normalize_strict(s)))
 
 
-def gold_in_question(gold: str, question: str) -> bool:
-    """Q-minus rule (PROTOCOL §6): normalize(gold) is a character substring of normalize(question)."""
-    g = normalize(gold)
-    return bool(g) and g in normalize(question)
-
-
 # --------------------------------------------------------------------------------------------
 # §3 matching: dates
 _MONTHS = {m: i + 1 for i, m in enumerate(

@@ -166,8 +166,8 @@ def paired_contrast(treated: Any, untreated: Optional[Sequence[float]] = None,
         raise StatsInputError(f"paired_contrast: lengths differ (treated {t.size}, untreated {u.size}, "
                               f"cluster {cl.size})")
     if not (np.all(np.isfinite(t)) and np.all(np.isfinite(u))):
-        raise StatsInputError("paired_contrast: NaN values; restrict to the common support first "
-                              "(metrics.common_support)")
+        raise StatsInputError("paired_contrast: NaN values; restrict both sides to the questions in the "
+                              "metric's cell for both checkpoints first (the common support)")
     n = int(t.size)
     if n == 0:
         return {"delta": None, "ci95": [None, None], "p_signflip": None, "n_units": 0, "n_questions": 0}

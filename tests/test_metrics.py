@@ -11,7 +11,7 @@ import pytest
 
 from memtoc import metrics
 from memtoc.config import DataError, resolve_release_dir
-from memtoc.metrics import arm_metrics, assign_cell, common_support, rate, summarize
+from memtoc.metrics import arm_metrics, assign_cell, rate, summarize
 
 
 # ------------------------------------------------------------------------------------------ cells
@@ -285,18 +285,6 @@ def test_anchor_keep_flag_minus_keep_strict_is_both_in_arb():
 
 
 # ------------------------------------------------------------------------------------------ support
-def test_common_support():
-    a = small_arm()
-    b = small_arm()
-    b = b[b.qkey != "q2"].copy()
-    b.loc[(b.qkey == "q3") & (b.condition == "tool_wrong"), "outcome"] = "kept_memory"
-    ca, cb = common_support(a, b)
-    assert set(ca.qkey) == set(cb.qkey) == set(a.qkey) - {"q2"}
-    ca, cb = common_support(a, b, condition="tool_wrong", cell="arb")
-    assert sorted(ca.qkey) == sorted(cb.qkey) == ["q1", "q3", "q4"]
-
-
-# ------------------------------------------------------------------------------------------ small cells
 def test_pooled_interval_reports_the_replicates_it_used_when_a_cell_is_small():
     """Issue 12 item 10: 30 questions; paraphrase_b's arb cell holds 1 of them, so most bootstrap
     replicates draw no question of it and its rate (and the pooled mean) is undefined there. The
