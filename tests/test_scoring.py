@@ -132,6 +132,66 @@ def test_canon(raw, expected):
     assert canon(raw) == expected
 
 
+# ------------------------------------------------------------------------------------------ §3
+@pytest.mark.parametrize("answer,target,expected", [
+    # (a) character-level bidirectional containment on canonical forms
+    ("Paris", "Parish", True),
+    ("Parish", "Paris", True),
+    ("Jo", "John Smith", True),
+    ("Ann", "Joanne", True),
+    ("Sing 2", "Sing (2016 American film)", True),
+    ("Blackpool", "Stanley Park, Blackpool", True),
+    ("Blackpool", "Moor Park, Blackpool", True),
+    ("1950", "March 3, 1950", True),
+    ("The park was designed by Thomas Mawson in 1908.", "Thomas Mawson", True),
+    ("the beatles", "Beatles", True),
+    ("St Louis", "Saint Louis", True),
+    ("Pérez", "Perez", False),               # accent splitting: "pe rez" vs "perez"
+    ("Perez", "Pérez", False),
+    ("José", "Jose", True),                  # a final accent disappears
+    ("Rome", "Paris", False),
+    ("Paris", "The", False),                 # the target canonicalises to ""
+    ("A", "Anna", False),                    # an article-only answer never matches
+    ("", "Paris", False),
+    (None, "Paris", False),
+    ("Paris", None, False),
+    # (b) parenthetical alias in the ANSWER, alias prefixes stripped
+    ("Samuel Clemens (Mark Twain)", "Mark Twain Jr.", True),
+    ("Norma Jeane (born Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("Norma Jeane (Born  Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (née Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (nee Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (formerly Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (aka Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (a.k.a. Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (also known as Marilyn Monroe)", "Marilyn Monroe Estate", True),
+    ("N. J. (known as Marilyn Monroe)", "Marilyn Monroe Estate", False),   # not an alias prefix
+    ("Norma ((Marilyn Monroe))", "Marilyn Monroe Estate", True),           # innermost group
+    ("Mark Twain", "Samuel Clemens (Mark Twain)", True),                    # plain containment
+    # (c) inverted "Name, Title" target: head of >= 2 tokens
+    ("George Villiers, Duke", "George Villiers, 1st Duke of Buckingham", True),
+    ("Stanley Park, Vancouver", "Stanley Park, Blackpool", True),
+    ("Paris, Texas", "Paris, France", False),                              # 1-token head
+    ("Villiers Duke", "George Villiers, 1st Duke of Buckingham", False),
+    # (d) bare-date equivalence
+    ("1950-03-03", "March 3, 1950", True),
+    ("3 March 1950", "March 3, 1950", True),
+    ("March 3, 1950", "1950-03-03", True),
+    ("3 March 1950", "1950-3-3", True),
+    ("3rd March, 1950", "1950-03-03", True),
+    ("Mar. 3rd 1950", "1950-03-03", True),
+    ("MARCH 3, 1950", "1950-03-03", True),
+    ("Born 1950-03-03, died 1999-01-01", "March 3, 1950", True),            # extra dates are fine
+    ("1950-03-04", "March 3, 1950", False),
+    ("March 3,1950", "1950-03-03", False),    # no whitespace after the comma: not a date
+    ("1950-03-03", "March 3,1950", False),    # ... nor as a target
+    ("Sept 3, 1950", "1950-09-03", False),    # "Sept" is not a month
+    ("Sep 3, 1950", "1950-09-03", True),
+    ("September 3, 1950", "1950-09-03", True),
+    ("1673-05-01", "May 1673", False),        # month-year is not a date
+    ("1950-03-03", "March 3, 1950 in Paris", False),                        # target not bare
+    ("1950-03-03", "The 3 March 1950", True),                               # rest canon "" (article)
+])
 def test_match_paper(answer, target, expected):
     assert match(answer, target) is expected
     assert match(answer, target, "paper") is expected
