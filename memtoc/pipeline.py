@@ -59,7 +59,7 @@ from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
 from .gpuenv import check_gpu
 from .servers import check_servers
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir, run_dir
-from .runconfig import RunConfig
+from .runconfig import RunConfig, RunPaths
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
@@ -360,7 +360,7 @@ def effective_status(run_dir_: Path, cfg: dict[str, Any] | None = None) -> str |
     """config.json's status, except that a "running" run whose lock nobody holds is "interrupted".
     Read from the file, such a run (killed without a chance to say so) is also recorded as
     interrupted there, with the running notebook."""
-    path = Path(run_dir_) / "config.json"
+    path = RunPaths(run_dir_).config_json
     from_file = cfg is None
     if cfg is None:
         try:
@@ -452,7 +452,7 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
     except OSError as e:
         raise PipelineError(f"cannot create or lock the run directory {rd}: {e.strerror or e}; choose a "
                             "writable output_root (e.g. --set output_root=/tmp/memtoc-out)") from None
-    cfg_path = rd / "config.json"
+    cfg_path = RunPaths(rd).config_json
     cfg: dict[str, Any] = {"release": {"dir": params["release_dir"], "found_by": found_by}}
     saved_env = os.environ.get(progress.ENV)
     try:
@@ -485,7 +485,8 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
 
 def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[Path, str | None]:
     """Refuse stale inputs, write params.yaml and the running config.json; (params file, data digest)."""
-    cfg_path = rd / "config.json"
+    paths = RunPaths(rd)
+    cfg_path = paths.config_json
     old: dict[str, Any] = {}
     if cfg_path.is_file():
         try:
@@ -501,8 +502,8 @@ def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[P
             "this run would mix outputs computed with different parameters: " + " | ".join(stale)
             + f". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
             "or use another run_name")
-    (rd / "notebooks").mkdir(parents=True, exist_ok=True)
-    params_file = rd / "params.yaml"
+    paths.notebooks.mkdir(parents=True, exist_ok=True)
+    params_file = paths.params_yaml
     atomic_write_text(params_file, "# Resolved parameters of this run, written by `memtoc run`; every notebook reads "
                       "this file.\n" + yaml.safe_dump(plain(params), sort_keys=False, allow_unicode=True))
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
@@ -526,8 +527,9 @@ def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[P
 def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_file: Path, executor, echo,
                   log_output: bool, t_run: float) -> dict[str, Any]:
     """Run one notebook, recording it in config.json; returns its entry (status ok) or raises."""
-    cfg_path, progress_file = rd / "config.json", rd / progress.PROGRESS_NAME
-    dst = rd / "notebooks" / s.path.name
+    paths = RunPaths(rd)
+    cfg_path, progress_file = paths.config_json, paths.progress_file
+    dst = paths.notebook(s.path.name)
     entry: dict[str, Any] = {"notebook": s.name, "source": str(s.path), "executed": str(dst), "started": _now(),
                              "status": "running"}
     cfg["notebooks"].append(entry)
@@ -568,12 +570,12 @@ def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_fil
 
 
 def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
-    cfg_path = rd / "config.json"
+    cfg_path = RunPaths(rd).config_json
     params_file, digest = _start_record(params, only, steps, rd, cfg)
     to_run = [s for s in steps if s.run]
     echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
     t_run = time.perf_counter()
-    os.environ[progress.ENV] = str(rd / progress.PROGRESS_NAME)
+    os.environ[progress.ENV] = str(RunPaths(rd).progress_file)
     k = 0
     for s in steps:
         if not s.run:

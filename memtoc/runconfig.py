@@ -46,6 +46,11 @@ class RunPaths:
         return self.root / "params.yaml"
 
     @property
+    def progress_file(self) -> Path:
+        """The running notebook's progress lines (``memtoc.progress``), read by ``memtoc run``."""
+        return self.root / ".progress.json"
+
+    @property
     def notebooks(self) -> Path:
         """``notebooks/``: the executed copies."""
         return self.root / "notebooks"
