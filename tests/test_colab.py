@@ -50,7 +50,7 @@ def test_setup_on_a_mocked_colab(monkeypatch):
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     monkeypatch.setattr(colab, "installed_versions", lambda: {"trl": "1.16.0"})
     for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "unset")   # recorded, so the values setup() writes are undone after the test
     ran, logins, said = [], [], []
     lay = colab.setup(run=ran.append, get_secret=lambda k: "hf_secret", drive_mounted=True, login=logins.append,
                       log=said.append)
@@ -68,3 +68,10 @@ def test_the_setup_notebook_installs_only_on_colab():
     code = "".join(nb["cells"][1]["source"])
     assert 'if "google.colab" in sys.modules:' in code and "--no-deps" in code and "setup(" in code
     assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def test_setup_leaves_no_environment_behind():
+    """The previous test's MEMTOC_HOME must not reach later tests (their project root would move)."""
+    import os
+    assert "/content/" not in os.environ.get("MEMTOC_HOME", "")
+

@@ -133,7 +133,7 @@ def fake_vllm(monkeypatch):
 def test_the_batch_invariant_flag_reaches_the_engine(qwen_like_dir, monkeypatch, fake_vllm, setting, env):
     fake = fake_vllm
     assert "vllm" not in sys.modules
-    monkeypatch.delenv(decoding.BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "0")   # recorded: restored after the test
     monkeypatch.setattr(vllm_backend, "gpu_capability", lambda: (9, 0))
     gen = vllm_backend.VLLMGenerator(models.get_model("qwen2.5-7b-instruct"), qwen_like_dir, dtype="bfloat16",
                                      max_new_tokens=8, show_progress=False, batch_invariant=setting)
