@@ -37,7 +37,7 @@ ABOUT = {
     "05": ("App. H (Table 8, the Jacobian-lens availability probe) and App. C (SAE steering)",
            "02/03's outputs of the same run",
            "`probes/<model>/`, `summaries/probes.json`, `figures/probes_*.png`",
-           "~2 min", "not estimated yet (the exact lens dominates)"),
+           "~2 min", "~5 h per 8B model (the exact lens fit dominates; published lenses named in `probes.lens_files` skip it)"),
     "06": ("App. F.1 (Table 6): transfer to an external counterfactual set, and reverse transfer",
            "04's adapters, 03's replies, the external set (`transfer.dataset`; default: a built-in plumbing set)",
            "`transfer/<model>/`, `summaries/transfer.json`, `figures/transfer_deltas.png`",
