@@ -27,7 +27,7 @@ SOURCE_ROOT = PACKAGE_DIR.parent                  # the clone, for a source chec
 RESOURCES_DIR = PACKAGE_DIR / "_resources"        # the project files inside a wheel
 # what a project folder holds (relative paths; folders end in "/"), what a wheel bundles
 PROJECT_FILES: tuple[str, ...] = ("notebooks/", "params/", "paper/claims.yaml", "paper/published/",
-                                  "requirements/cpu.lock", "requirements/gpu.lock")
+                                  "requirements/cpu.lock", "requirements/gpu.lock", "docs/departures.md")
 
 
 def is_project_dir(path: Path) -> bool:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import claims as C
+from .config import REPO_ROOT
+from .project import bundled_resources
 from .io import atomic_write_text
 from .runconfig import RunPaths
 
@@ -120,3 +122,18 @@ def build_report(run_dir: str | Path, registry: str | Path | None = None) -> tup
                        reg.get("tables") or {}, reg.get("figures") or {})
     report_path = atomic_write_text(paths.report_md, md)
     return report_path, claims_path, claims
+
+
+DEPARTURES = Path("docs") / "departures.md"
+
+
+def departures_markdown() -> str:
+    """The one table of departures from the paper (``docs/departures.md``) without its title, as
+    notebook 08 shows it; found in the project folder, else in the installed package's files."""
+    for root in (REPO_ROOT, bundled_resources()):
+        path = (root / DEPARTURES) if root else None
+        if path is not None and path.is_file():
+            return path.read_text(encoding="utf-8").split("\n", 1)[-1].strip()
+    return ("docs/departures.md is not in this project folder (an older `memtoc init`?): read it in the "
+            "memtoc repository")
+

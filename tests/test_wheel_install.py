@@ -132,3 +132,14 @@ def test_wheel_install_runs_from_an_init_folder(tmp_path):
     assert not (REPO_ROOT / "outputs" / run_name).exists()
     assert _files(site / "memtoc") == before                        # nothing written into the installation
     assert not any(p.name == "outputs" for p in site.rglob("outputs"))
+
+
+def test_the_departures_table_travels_with_the_project(tmp_path, monkeypatch):
+    from memtoc import report
+    assert "| item | paper | memtoc | reason |" in report.departures_markdown()
+    dest = tmp_path / "work"
+    initcmd.init_project(dest)
+    assert (dest / "docs" / "departures.md").read_bytes() == (REPO_ROOT / "docs" / "departures.md").read_bytes()
+    monkeypatch.setattr(report, "REPO_ROOT", tmp_path / "nowhere")
+    monkeypatch.setattr(report, "bundled_resources", lambda: None)
+    assert "docs/departures.md is not in this project folder" in report.departures_markdown()   # no crash
