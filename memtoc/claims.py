@@ -28,6 +28,11 @@ The report marks each printed claim as ``<!--claim:ID-->VALUE<!--/claim-->``: in
 rendered, and :func:`verify` checks every marker against ``claims.json``, every claim against the
 report, and flags digits in the report text that are not inside a marker (untagged numbers).
 
+A claim made in code (:func:`build_claim`; :mod:`memtoc.replication`'s "This run and the paper") may
+read a file of the project folder (``file: "project:paper/published/table1.json"``) and may be a
+verdict (``derive: covers``): whether a ``reference`` point (``{file, pointer, scale}``, e.g. the
+paper's printed value) lies inside the run's interval at ``pointers[0]`` (:func:`covers`).
+
 :func:`resolve` reads a run's files and produces :class:`Claim` objects; :func:`write_claims`
 writes ``<run_dir>/paper/claims.json``; :func:`verify` re-derives every claim from its file and
 diffs the printed value. The published paper's numbers are re-derived by :mod:`memtoc.published`;
@@ -38,17 +43,20 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import math
 import re
 import string
-from dataclasses import asdict, dataclass, field
-from decimal import ROUND_HALF_UP, Decimal
+from dataclasses import asdict, dataclass
+from decimal import Decimal
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
-import pandas as pd
 import yaml
 
+# the values (pointers, rounding) and the results are their own modules, importable from here
+from .claimfmt import (MARKER_RE, RANGE_DASH, ClaimError, MissingSource, _is_missing, escape_token,
+                       fill_statement, format_value, json_pointer, parse_rounding, tag, tagged_statement,
+                       unescape_token, untagged_numbers)
+from .claimresult import CheckRow, VerificationResult, text_table
 from .config import REPO_ROOT, MemtocError
 from .lock import check_run_versions
 from .io import atomic_write_text
@@ -57,115 +65,9 @@ from .runconfig import RunPaths
 from .vocab import HEADLINE_METRICS
 
 REGISTRY_PATH = REPO_ROOT / "paper" / "claims.yaml"
-DERIVATIONS = ("min", "max", "range", "count")
-RANGE_DASH = "–"
-MARKER_RE = re.compile(r"<!--claim:([^>]*?)-->(.*?)<!--/claim-->", re.S)
-
-
-class ClaimError(MemtocError):
-    """The registry, a run file, a pointer or claims.json is missing or malformed."""
-
-
-class MissingSource(ClaimError):
-    """A claim's file or pointer does not exist (the claim cannot be derived)."""
-
-
-# --------------------------------------------------------------------------------------------
-# JSON pointers (RFC 6901)
-
-def escape_token(token: Any) -> str:
-    return str(token).replace("~", "~0").replace("/", "~1")
-
-
-def unescape_token(token: str) -> str:
-    return token.replace("~1", "/").replace("~0", "~")
-
-
-def json_pointer(doc: Any, pointer: str, *, where: str = "<document>") -> Any:
-    """Return the value at ``pointer`` in ``doc``; raise MissingSource naming the missing token."""
-    if pointer == "":
-        return doc
-    if not pointer.startswith("/"):
-        raise ClaimError(f"{where}: JSON pointer {pointer!r} must start with '/' (RFC 6901)")
-    cur = doc
-    walked = ""
-    for raw in pointer[1:].split("/"):
-        tok = unescape_token(raw)
-        walked += "/" + raw
-        if isinstance(cur, dict):
-            if tok not in cur:
-                raise MissingSource(f"{where}: pointer {pointer} not found: no key {tok!r} at "
-                                    f"{walked[:-len(raw) - 1] or '/'} (keys there: {', '.join(map(str, list(cur)[:12]))})")
-            cur = cur[tok]
-        elif isinstance(cur, list):
-            if not re.fullmatch(r"0|[1-9][0-9]*", tok) or int(tok) >= len(cur):
-                raise MissingSource(f"{where}: pointer {pointer} not found: index {tok!r} out of range "
-                                    f"(list of {len(cur)}) at {walked}")
-            cur = cur[int(tok)]
-        else:
-            raise MissingSource(f"{where}: pointer {pointer} not found: {walked} goes into a "
-                                f"{type(cur).__name__}")
-    return cur
-
-
-# --------------------------------------------------------------------------------------------
-# Rounding
-
-def parse_rounding(rule: str) -> tuple[str, int]:
-    if not isinstance(rule, str) or not rule:
-        raise ClaimError(f"rounding rule {rule!r}: expected e.g. 'percent:1', 'decimal:3', 'int', 'exact'")
-    kind, _, digits = rule.partition(":")
-    if kind in ("percent", "pp", "decimal", "signed"):
-        if not digits.isdigit():
-            raise ClaimError(f"rounding rule {rule!r}: {kind} needs a number of decimals, e.g. '{kind}:1'")
-        return kind, int(digits)
-    if kind in ("int", "thousands", "exact") and not digits:
-        return kind, 0
-    raise ClaimError(f"unknown rounding rule {rule!r}; valid: percent:N, pp:N, decimal:N, signed:N, "
-                     "int, thousands, exact")
-
-
-def _is_missing(v: Any) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
-
-
-def _quantize(value: Any, digits: int, scale: int = 1) -> Decimal:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ClaimError(f"value {value!r} is not a number")
-    d = Decimal(repr(value)) * scale
-    return d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
-
-
-def format_value(value: Any, rule: str) -> str:
-    """Print ``value`` with a rounding rule (module docstring). Returns the printed string."""
-    kind, digits = parse_rounding(rule)
-    if kind == "exact":
-        if isinstance(value, bool):
-            return "yes" if value else "no"
-        if value is None:
-            return "n/a"
-        if isinstance(value, (dict, list)):
-            return json.dumps(value, ensure_ascii=False, sort_keys=True)
-        return str(value)
-    if _is_missing(value):
-        return "n/a"
-    if kind == "percent":
-        q = _quantize(value, digits, 100)
-    elif kind == "pp":
-        q = _quantize(value, digits, 100)
-    elif kind in ("decimal", "signed"):
-        q = _quantize(value, digits)
-    else:  # int / thousands
-        q = _quantize(value, 0)
-    if q == 0:
-        q = abs(q)  # no "-0.0"
-    if kind in ("pp", "signed"):
-        return f"{q:+f}" if digits else f"{int(q):+d}"
-    if kind == "int":
-        return str(int(q))
-    if kind == "thousands":
-        return f"{int(q):,}"
-    return f"{q:f}"
+DERIVATIONS = ("min", "max", "range", "count")   # a registry claim's; "covers" is made in code (build_claim)
+PROJECT_PREFIX = "project:"     # a claim file under the project folder (paper/published/...), not the run
+VERDICTS = ("inside", "outside", "no interval")
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,6 +90,7 @@ class Claim:
     section: str = ""
     table: Optional[dict] = None
     required: bool = True
+    reference: Optional[dict] = None    # derive "covers": {file, pointer, scale} of the point tested
 
     @property
     def pointer(self) -> str:
@@ -252,9 +155,14 @@ class _Files:
         self.root = Path(root)
         self.cache: dict[str, tuple[Any, str]] = {}
 
+    def path(self, rel: str) -> Path:
+        if rel.startswith(PROJECT_PREFIX):
+            return REPO_ROOT / rel[len(PROJECT_PREFIX):]
+        return self.root / rel
+
     def load(self, rel: str) -> tuple[Any, str]:
         if rel not in self.cache:
-            path = self.root / rel
+            path = self.path(rel)
             if not path.is_file():
                 raise MissingSource(f"file {path} does not exist")
             data = path.read_bytes()
@@ -276,7 +184,7 @@ class _Files:
 
     def get(self, rel: str, pointer: str) -> Any:
         doc, _ = self.load(rel)
-        return json_pointer(doc, pointer, where=str(self.root / rel))
+        return json_pointer(doc, pointer, where=str(self.path(rel)))
 
 
 class _Fmt(dict):
@@ -360,7 +268,27 @@ def _derive(op: str, values: list[Any], rule: str) -> str:
     raise ClaimError(f"unknown derivation {op!r}; valid: {', '.join(DERIVATIONS)}")
 
 
-def _compute(files: _Files, rel: str, pointers: list[str], derive: Optional[str], rule: str) -> tuple[str, Any]:
+def covers(interval: Any, point: Any, scale: float = 1.0) -> str:
+    """Whether ``point`` (as printed, times ``scale``) lies in ``interval`` = [lo, hi]: "inside",
+    "outside", or "no interval". The point may sit up to half a unit of its last printed digit
+    outside (17.1 printed covers 0.1705 with scale 0.01): its printed precision, no more."""
+    if (not isinstance(interval, (list, tuple)) or len(interval) != 2
+            or any(_is_missing(x) or isinstance(x, bool) or not isinstance(x, (int, float)) for x in interval)):
+        return "no interval"
+    if isinstance(point, bool) or not isinstance(point, (int, float)):
+        raise ClaimError(f"the point tested against an interval is {point!r}, not a number")
+    half = Decimal(1).scaleb(Decimal(repr(point)).as_tuple().exponent) / 2 * Decimal(repr(scale))
+    value, lo, hi = Decimal(repr(point)) * Decimal(repr(scale)), Decimal(repr(interval[0])), Decimal(repr(interval[1]))
+    return "inside" if lo - half <= value <= hi + half else "outside"
+
+
+def _compute(files: _Files, rel: str, pointers: list[str], derive: Optional[str], rule: str,
+             reference: Optional[dict] = None) -> tuple[str, Any]:
+    if derive == "covers":      # pointers[0]: the run's [lo, hi]; reference: the point (another file)
+        if not isinstance(reference, dict) or not {"file", "pointer"} <= set(reference):
+            raise ClaimError(f"a 'covers' claim needs reference {{file, pointer, scale}}, got {reference!r}")
+        interval, point = files.get(rel, pointers[0]), files.get(reference["file"], reference["pointer"])
+        return covers(interval, point, float(reference.get("scale", 1.0))), [interval, point]
     if derive:
         raw = [files.get(rel, p) for p in pointers]
         return _derive(derive, raw, rule), raw
@@ -414,6 +342,25 @@ def resolve_all(run_dir: str | Path, registry: str | Path | dict | None = None) 
                 derive=spec.get("derive"), sha256=files.load(rel)[1], section=spec.get("section", ""),
                 table=table, required=required))
     return out, omitted
+
+
+def run_files(run_dir: str | Path) -> _Files:
+    """The reader claims resolve through: files of the run (and ``project:`` files), read once."""
+    return _Files(Path(run_dir))
+
+
+def build_claim(files: _Files, cid: str, template: str, file: str, pointers: list[str], rounding: str, *,
+                derive: Optional[str] = None, reference: Optional[dict] = None, section: str = "",
+                table: Optional[dict] = None) -> Claim:
+    """One claim made in code rather than by the registry (:mod:`memtoc.replication`); ``memtoc verify``
+    re-derives it like any other. Raises :class:`MissingSource` when a file or pointer is absent."""
+    if "{value}" not in template:
+        raise ClaimError(f"claim {cid!r}: the statement needs a {{value}} placeholder")
+    parse_rounding(rounding)
+    value, raw = _compute(files, file, pointers, derive, rounding, reference)
+    return Claim(id=cid, statement=fill_statement(template, value), template=template, file=file,
+                 pointers=list(pointers), rounding=rounding, value=value, raw=raw, derive=derive,
+                 sha256=files.load(file)[1], section=section, table=table, reference=reference)
 
 
 def resolve(run_dir: str | Path, registry: str | Path | dict | None = None) -> list[Claim]:
@@ -484,112 +431,8 @@ def read_claims(run_dir: str | Path) -> tuple[list[Claim], dict]:
     return [Claim.from_dict(d, str(path)) for d in doc["claims"]], doc
 
 
-def fill_statement(template: str, value: str) -> str:
-    """The statement with its printed value (a missing value drops the unit: "n/a", not "n/a%")."""
-    if value == "n/a":
-        template = template.replace("{value}%", "{value}")
-    return template.replace("{value}", value)
-
-
-def tag(claim: Claim | str, value: str | None = None) -> str:
-    """The report's marker for one printed claim value."""
-    if isinstance(claim, Claim):
-        return f"<!--claim:{claim.id}-->{claim.value}<!--/claim-->"
-    return f"<!--claim:{claim}-->{value}<!--/claim-->"
-
-
-def tagged_statement(c: Claim) -> str:
-    t = c.template.replace("{value}%", "{value}") if c.value == "n/a" else c.template
-    return t.replace("{value}", tag(c))
-
-
-def untagged_numbers(markdown: str) -> list[str]:
-    """Lines of report text holding digits outside claim markers, code spans and link targets."""
-    text = MARKER_RE.sub("", markdown)
-    text = re.sub(r"```.*?```", "", text, flags=re.S)
-    text = re.sub(r"`[^`\n]*`", "", text)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
-    return [ln.strip() for ln in text.splitlines() if re.search(r"\d", ln)]
-
-
 # --------------------------------------------------------------------------------------------
 # Verification
-
-@dataclass
-class CheckRow:
-    id: str
-    status: str                 # PASS | FAIL (run claims); MATCH | MISMATCH | NOTE (published)
-    printed: str = ""
-    derived: str = ""
-    source: str = ""
-    detail: str = ""
-
-
-def text_table(head: tuple[str, ...], rows: Iterable[tuple[str, ...]], width: int = 48) -> str:
-    """A plain-text table of five columns: the first four padded to their widest cell (cut at
-    ``width`` with "…"), the last as is."""
-    rows = list(rows)
-    w = [max([len(head[i])] + [min(len(x[i]), width) for x in rows]) for i in range(4)]
-    fmt = "  ".join("{:<%d}" % n for n in w) + "  {}"
-    lines = [fmt.format(*head), fmt.format(*("-" * n for n in w), "-" * 15)]
-    lines += [fmt.format(*(x[i] if len(x[i]) <= width else x[i][:width - 1] + "…" for i in range(4)), x[4])
-              for x in rows]
-    return "\n".join(lines)
-
-
-@dataclass
-class VerificationResult:
-    rows: list[CheckRow] = field(default_factory=list)
-    kind: str = "run"           # run | published
-    target: str = ""
-
-    FAILING = ("FAIL", "MISMATCH")
-    STATUSES = ("PASS", "FAIL", "MATCH", "NOTE", "N/A", "MISMATCH")
-
-    @property
-    def failures(self) -> list[CheckRow]:
-        return [r for r in self.rows if r.status in self.FAILING]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def n_claims(self) -> int:
-        return sum(1 for r in self.rows if not r.id.startswith("report:"))
-
-    @property
-    def n_pass(self) -> int:
-        return sum(1 for r in self.rows if not r.id.startswith("report:") and r.status not in self.FAILING)
-
-    def summary(self) -> str:
-        if self.kind == "published":
-            counts = {s: sum(r.status == s for r in self.rows) for s in ("MATCH", "NOTE", "N/A", "MISMATCH")}
-            checked = len(self.rows) - counts["N/A"]
-            return (f"{counts['MATCH']}/{checked} published values re-derived and matching; "
-                    f"{counts['NOTE']} documented disagreement(s), {counts['MISMATCH']} mismatch(es), "
-                    f"{counts['N/A']} not derivable from the release copy")
-        extra = len(self.rows) - self.n_claims
-        fails_report = sum(1 for r in self.failures if r.id.startswith("report:"))
-        s = f"{self.n_pass}/{self.n_claims} claims pass"
-        if extra:
-            s += f"; report checks: {extra - fails_report}/{extra} pass"
-        return s
-
-    def table(self, width: int = 48) -> str:
-        head = ("status", "claim", "printed", "derived", "source / detail")
-        rows = [(r.status, r.id, r.printed, r.derived, (r.source + ("  " + r.detail if r.detail else "")).strip())
-                for r in self.rows]
-        return text_table(head, rows, width)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "target": self.target, "ok": self.ok, "summary": self.summary(),
-                "n_claims": self.n_claims, "n_pass": self.n_pass, "rows": [asdict(r) for r in self.rows]}
-
-    def to_frame(self):
-        return pd.DataFrame([asdict(r) for r in self.rows])
-
 
 def verify(run_dir: str | Path, check_report: bool = True,
            registry: str | Path | dict | None = None) -> VerificationResult:
@@ -604,7 +447,7 @@ def verify(run_dir: str | Path, check_report: bool = True,
         src = f"{c.file}#{c.pointer}" + (f" ({c.derive} over {len(c.pointers)})" if c.derive else "")
         row = CheckRow(id=c.id, status="FAIL", printed=c.value, source=src)
         try:
-            derived, _raw = _compute(files, c.file, c.pointers, c.derive, c.rounding)
+            derived, _raw = _compute(files, c.file, c.pointers, c.derive, c.rounding, c.reference)
         except ClaimError as e:
             row.detail = f"cannot re-derive: {e}"
             res.rows.append(row)

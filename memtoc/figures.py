@@ -7,6 +7,8 @@
 * :func:`headline` — headline metrics with 95% intervals, per formulation and pooled, per model.
 * :func:`prompting_tradeoffs` — per prompting arm, the paired change vs untreated in retention
   (gain), correct-tool following (loss) and error abstention, with 95% intervals.
+* :func:`replication_intervals` — this run's intervals beside the paper's printed values
+  (notebook 08's "This run and the paper").
 
 Inputs are tidy DataFrames (see :func:`memtoc.tables.headline_table` and
 :func:`memtoc.tables.contrast_table`) or a scored frame, so figures never recompute statistics.
@@ -189,5 +191,31 @@ def prompting_tradeoffs(contrasts: pd.DataFrame, path,
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("change vs untreated (pooled, 95% CI)")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def replication_intervals(rows: pd.DataFrame, path) -> Path:
+    """This run beside the paper: per compared number, the run's value with its 95% interval
+    (a bar) and the paper's printed value (a point: filled inside the interval, a cross outside).
+    ``rows`` columns: label, run, lo, hi, paper, inside (see memtoc.replication.build); rates and
+    changes as fractions, drawn in percent."""
+    _need(rows, ["label", "run", "lo", "hi", "paper", "inside"], "replication_intervals")
+    if rows.empty:
+        raise FigureError("replication_intervals: no interval to draw")
+    y = np.arange(len(rows))[::-1]
+    run, lo, hi, paper = (100 * rows[c].to_numpy(float) for c in ("run", "lo", "hi", "paper"))
+    inside = rows["inside"].to_numpy(bool)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * len(rows)))
+    ax.hlines(y, lo, hi, color="0.45", lw=3, label="this run: 95% interval")
+    ax.plot(run, y, "|", color="k", ms=10, label="this run: value")
+    ax.plot(paper[inside], y[inside], "o", color="tab:green", label="paper: inside")
+    ax.plot(paper[~inside], y[~inside], "x", color="tab:red", ms=8, mew=2, label="paper: outside")
+    ax.set_yticks(y)
+    ax.set_yticklabels(rows["label"], fontsize=8)
+    ax.axvline(0, color="k", lw=0.6)
+    ax.set_xlabel("percent (rates) / percentage points (changes)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     fig.tight_layout()
     return save(fig, path)

@@ -1,7 +1,9 @@
 """The run's paper report: ``<run_dir>/paper/report.md`` and ``<run_dir>/paper/claims.json``.
 
 :func:`build_report` resolves the claim registry (``paper/claims.yaml``) against the run's
-summaries, writes ``claims.json`` and renders ``report.md``: one section per registry section,
+summaries, adds the claims of "This run and the paper" (:mod:`memtoc.replication`: each paper model's
+numbers beside the paper's, with a verdict per interval), writes ``claims.json`` and renders
+``report.md``: one section per registry section,
 the claims without a table as sentences, the table claims as Markdown tables, and the figures found
 in ``<run_dir>/figures/``. Every number of the report is a claim value rendered through
 :func:`memtoc.claims.tag` (an invisible ``<!--claim:ID-->`` marker around it), so
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import claims as C
+from . import replication
 from .config import REPO_ROOT
 from .project import bundled_resources
 from .io import atomic_write_text
@@ -44,8 +47,10 @@ def _table(rows_claims: list[C.Claim]) -> str:
 def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str, str],
                   figures: list[Path], run_name: str, provenance: Optional[dict] = None,
                   captions: Optional[dict[str, str]] = None,
-                  figure_sections: Optional[dict[str, str]] = None) -> str:
-    """The Markdown text of the report (pure: no file access)."""
+                  figure_sections: Optional[dict[str, str]] = None,
+                  notes: Optional[dict[str, str]] = None) -> str:
+    """The Markdown text of the report (pure: no file access). ``notes``: a line (no digits) under a
+    section's heading; a section with a note is shown even without claims."""
     md: list[str] = [f"# MemToC reproduction report: run `{run_name}`", ""]
     md.append("Every number below is read from the run's summaries through the claim registry "
               "(`paper/claims.yaml`) and carries an invisible claim marker; `memtoc verify` re-derives "
@@ -58,9 +63,12 @@ def render_report(claims: list[C.Claim], omitted: list[dict], sections: dict[str
     for sec in order:
         items = [c for c in claims if c.section == sec]
         figs = [f for f in figures if placed[f.stem] == sec]
-        if not items and not figs:
+        note = (notes or {}).get(sec)
+        if not items and not figs and not note:
             continue
         md += [f"## {sections.get(sec, sec or 'Other claims')}", ""]
+        if note:
+            md += [note, ""]
         prose = [c for c in items if not c.table]
         for c in prose:
             md.append(f"- {C.tagged_statement(c)}")
@@ -116,10 +124,14 @@ def build_report(run_dir: str | Path, registry: str | Path | None = None) -> tup
     paths = RunPaths(run_dir)
     reg = C.load_registry(registry)
     claims, omitted = C.resolve_all(run_dir, reg)
+    beside = replication.build(run_dir)         # "This run and the paper": claims and figure
+    claims = claims + beside.claims
     claims_path = C.write_claims(run_dir, claims, omitted, registry)
     figures = sorted(paths.figures.glob("*.png")) if paths.figures.is_dir() else []
-    md = render_report(claims, omitted, reg.get("sections") or {}, figures, run_dir.name, _provenance(run_dir),
-                       reg.get("tables") or {}, reg.get("figures") or {})
+    md = render_report(claims, omitted, {**(reg.get("sections") or {}), replication.SECTION: replication.TITLE},
+                       figures, run_dir.name, _provenance(run_dir), {**(reg.get("tables") or {}), **beside.captions},
+                       {**(reg.get("figures") or {}), replication.FIGURE: replication.SECTION},
+                       notes={replication.SECTION: beside.note})
     report_path = atomic_write_text(paths.report_md, md)
     return report_path, claims_path, claims
 
