@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from .judgeconfig import JudgeConfig
 from .project import project_root
 from .vocab import BACKENDS, CLOSED_BOOK_VARIANTS, DTYPES, EXTRA_ARMS, FORMULATIONS, MATCHERS
 
@@ -286,9 +287,8 @@ def is_plain_name(name: Any) -> bool:
 
 
 def check_judge(j: Any, fail) -> dict[str, Any]:
-    """The ``judge`` block with its defaults (``memtoc.blockconfig.JudgeConfig``: backend transformers,
+    """The ``judge`` block with its defaults (``memtoc.judgeconfig.JudgeConfig``: backend transformers,
     no options, 32 new tokens) as a mapping."""
-    from .blockconfig.judge import JudgeConfig      # here, not at the top: blockconfig imports this module
     return JudgeConfig.resolve(j, fail).to_dict()
 
 

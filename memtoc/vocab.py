@@ -104,3 +104,37 @@ EXTRA_ARM_SPECS: tuple[ExtraArmSpec, ...] = (
 )
 EXTRA_ARMS: tuple[ExtraArm, ...] = tuple(s.name for s in EXTRA_ARM_SPECS)
 assert set(EXTRA_ARMS) == set(get_args(ExtraArm)), "EXTRA_ARM_SPECS must cover ExtraArm"
+
+
+# -- the stage blocks' choices (memtoc.blockconfig checks them; the stage modules use them) --------
+#: the name that selects memtoc's shipped source: the probes' corpus (memtoc.probes.corpus) and the
+#: transfer dataset (memtoc.transfer.data)
+BUILTIN = "builtin"
+
+# notebook 04 (finetune): the training objectives
+Objective = Literal["sft", "dpo"]
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
+
+# notebook 05 (probes): steering directions and positions; the SAE quality gate
+Direction = Literal["to_memory", "to_tool"]
+DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
+Position = Literal["last", "tool_span"]
+POSITIONS: tuple[Position, ...] = get_args(Position)
+FVU_GATE = 0.5                        # an SAE passes when its held-out fraction of variance unexplained is below
+
+# notebook 06 (transfer): the presentation pools; the matcher's unmatched-answer gap
+Pool = Literal["value", "passage"]
+POOLS: tuple[Pool, ...] = get_args(Pool)
+UNMATCHED_GAP = 0.03                  # the transfer block's default unmatched_gap
+
+# notebook 07 (agent): loop protocols, reporting slices, tool-schema variants, runtimes, bootstraps
+Protocol = Literal["guided", "auto", "two_stage", "oracle", "auto_constrained"]
+PROTOCOLS: tuple[Protocol, ...] = get_args(Protocol)
+Slice = Literal["memory_right", "all"]
+SLICES: tuple[Slice, ...] = get_args(Slice)
+SchemaVariant = Literal["release", "typed"]
+SCHEMA_VARIANTS: tuple[SchemaVariant, ...] = get_args(SchemaVariant)
+AgentRuntime = Literal["transformers", "openai"]
+AGENT_RUNTIMES: tuple[AgentRuntime, ...] = get_args(AgentRuntime)   # memtoc.agent.runtime.RUNTIMES (tested equal)
+Bootstrap = Literal["percentile", "cluster"]
+BOOTSTRAPS: tuple[Bootstrap, ...] = get_args(Bootstrap)

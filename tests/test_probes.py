@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memtoc.config import ConfigError
-from memtoc.probes import core, corpus, lens as L, mining as M, sae as S, steering as ST
+from memtoc.probes import core, corpus, dictionaries, lens as L, mining as M, sae as S, steering as ST
 from memtoc.probes.hfmodel import residuals, unembed, wrap_model
 from memtoc.runconfig import RunConfig
 
@@ -115,7 +115,7 @@ def test_topk_trainer_recovers_planted_dictionary(tmp_path):
     path = S.save_sae(sae, tmp_path / "sae", model_name="tiny", layer=3)
     cfg = json.loads((path / S.CFG_FILE).read_text())
     assert cfg["architecture"] == "topk" and cfg["metadata"]["hook_name"] == "blocks.3.hook_resid_post"
-    again, _ = S.load_sae(path)
+    again, _ = dictionaries.load_sae(path)
     assert torch.equal(again(X[:10]), sae(X[:10]))
 
 

@@ -23,11 +23,10 @@ import numpy as np
 import pandas as pd
 
 from ..intervals import contrast, interval_obj, rate_intervals
-from ..blockconfig.agent import BOOTSTRAPS
 from ..io import plain
 from ..metrics import paired_units
 from ..stats import sign_flip_pvalue
-from ..vocab import POOLED
+from ..vocab import BOOTSTRAPS, POOLED
 
 #: the protocol contrasts (treatment, baseline) the paper prints side by side (Table 7, Section 5.4);
 #: the repair arm (auto_constrained - auto) is reported as ``repair``

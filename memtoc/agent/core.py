@@ -52,13 +52,13 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from .. import elicitation, models
-from ..benchmark import select_questions
 from ..cache import canonical_json, sha256_text
 from ..blockconfig import AgentConfig
 from ..config import MemtocError, resolve_release_dir
 from ..figures import save as save_figure
 from ..prompts import error_payload, value_output
 from ..runconfig import RunConfig, RunPaths
+from ..selection import run_selection
 from .metrics import METRIC_DOC, episodes_frame, in_slice, summarize_model, summary_table
 from .protocols import PROTOCOLS, EpisodeSpec
 from .runtime import JSON_OPTIONS, Runtime, constrained_library, make_runtime
@@ -135,9 +135,10 @@ def questions_for(cfg: RunConfig, model: str, bench, formulations: Sequence[str]
     """The agent questions of a model: the first ``agent.n_questions`` of the run's stratified
     selection, then up to ``agent.memory_right_questions`` further questions of the run's headline
     selection that notebook 02 found memory-right for this model (forced, the first agent
-    formulation), in selection order; none when 02's file is absent."""
+    formulation), in selection order; none when 02's file is absent (``selection.run_selection``)."""
     a = cfg.agent
-    base = select_questions(bench.analysis, a.n_questions, cfg.seed)
+    sel = run_selection(cfg, bench)
+    base = sel.first(a.n_questions)
     k = a.memory_right_questions
     if not k:
         return base
@@ -149,7 +150,7 @@ def questions_for(cfg: RunConfig, model: str, bench, formulations: Sequence[str]
     right = {q for q, c, ab in zip(mem["qkey"], mem["memory_correct"], mem["mem_absent"])
              if c is not None and not pd.isna(c) and bool(c) and not bool(ab)}
     have = {q.qkey for q in base}
-    pool = select_questions(bench.analysis, max(cfg.n_questions, a.n_questions), cfg.seed)
+    pool = sel.first(max(cfg.n_questions, a.n_questions))
     return base + [q for q in pool if q.qkey in right and q.qkey not in have][:k]
 
 

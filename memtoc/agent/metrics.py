@@ -15,10 +15,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 import pandas as pd
 
+from ..vocab import SLICES
 from .contrasts import PROTOCOL_CONTRASTS, contrast_name, paired, rates
 from .protocols import MECHANISMS, PROTOCOLS, TERMINATIONS
 
-SLICES = ("memory_right", "all")
 RATES = ("answer_agreement", "tool_execution_rate", "agreement_minus_execution", "kept_memory", "final_correct")
 METRIC_DOC: dict[str, str] = {
     "answer_agreement": "the final answer matches the executed tool return's value (the gold on tool_right, the "

@@ -56,12 +56,12 @@ from typing import Any, Callable, Optional, Sequence
 from ..cache import canonical_json, sha256_text
 from ..prompts import FINAL_LINE
 from ..scoring import score_reply
+from ..vocab import PROTOCOLS
 from .parsers import ToolCall
 from .runtime import ChatRequest, ChatResponse, Runtime, assistant_call_message, call_id, named_choice
 from .tools import FixtureTool, function_tool, name_of, oracle_arguments, validate_call
 from .traces import Trace, messages_sha256
 
-PROTOCOLS = ("guided", "auto", "two_stage", "oracle", "auto_constrained")
 TERMINATIONS = ("final", "invalid_call", "max_calls", "max_tokens")
 #: the termination rules an episode was run under (part of its key: traces written under memtoc's
 #: earlier rules, which ended a forced call that never came as ``no_call``, are run again)

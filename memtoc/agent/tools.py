@@ -29,8 +29,8 @@ import jsonschema
 
 from ..cache import canonical_json, sha256_text
 from ..prompts import synthesize_schema
+from ..vocab import SCHEMA_VARIANTS
 
-SCHEMA_VARIANTS = ("release", "typed")
 TYPED_KIND = "typed_memtoc"
 
 #: memtoc's typed optional arguments, shared by every tool of the typed variant.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..judgeconfig import JudgeConfig
 from .agent import AgentConfig
 from .base import Block
 from .finetune import EVAL_CONDITIONS, OBJECTIVES, FinetuneConfig, is_chat
-from .judge import JudgeConfig
 from .probes import ProbesConfig
 from .transfer import CLOSED_BOOK_BAND, TransferConfig
 
@@ -24,7 +24,7 @@ BLOCKS = {"finetune": FinetuneConfig, "transfer": TransferConfig, "probes": Prob
 def resolve_blocks(run: Mapping[str, Any], source: str = "<params>") -> dict[str, Block]:
     """The typed stage blocks of the validated run parameters ``run`` (``config.validate_params``)."""
     ft = FinetuneConfig.resolve(run, source)
-    return {"finetune": ft, "transfer": TransferConfig.resolve(run, ft.models, source),
+    return {"finetune": ft, "transfer": TransferConfig.resolve(run, source, finetune_models=ft.models),
             "probes": ProbesConfig.resolve(run, source), "agent": AgentConfig.resolve(run, source)}
 
 

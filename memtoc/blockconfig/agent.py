@@ -5,38 +5,21 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ..config import ordered_subset
-from ..vocab import FORMULATIONS
+from ..vocab import (AGENT_RUNTIMES, ARM_CONDITIONS, BOOTSTRAPS, FORMULATIONS, OBJECTIVES, PROTOCOLS, SCHEMA_VARIANTS,
+                     SLICES)
 from .base import Block, Fail, as_list, is_int, is_num
-from .finetune import OBJECTIVES
-
-CONDITIONS = ("tool_right", "tool_wrong", "tool_error")
-BOOTSTRAPS = ("percentile", "cluster")
-
-
-def _agent():
-    """(metrics, protocols, runtime, tools) of ``memtoc.agent`` (imported when first needed: they load
-    torch and transformers, and the agent package imports the run configuration)."""
-    from ..agent import metrics, protocols, runtime, tools
-    return metrics, protocols, runtime, tools
-
-
-def _protocols() -> tuple[str, ...]:
-    return tuple(_agent()[1].PROTOCOLS)
-
-
-def _slices() -> tuple[str, ...]:
-    return tuple(_agent()[0].SLICES)
 
 
 @dataclass(frozen=True)
 class AgentConfig(Block):
     """Every key of the ``agent`` block with its default; ``resolve`` fills the run-dependent ones."""
     BLOCK = "agent"
+    SEE = "params/agent.yaml"
 
     enabled: bool = True
     models: Optional[tuple[str, ...]] = None   # None: the run's models
-    protocols: tuple[str, ...] = field(default_factory=_protocols)
-    slices: tuple[str, ...] = field(default_factory=_slices)
+    protocols: tuple[str, ...] = PROTOCOLS
+    slices: tuple[str, ...] = SLICES
     n_questions: Optional[int] = None          # first n of the run's stratified selection (None: n_questions;
                                                # 0 with memory_right_questions: only the memory-right slice)
     memory_right_questions: int = 0            # plus up to k more per model: questions of the run's headline
@@ -63,26 +46,17 @@ class AgentConfig(Block):
                                                # (closed-book answers stay greedy); None: greedy only
 
     @classmethod
-    def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "AgentConfig":
-        """The block of the validated run parameters ``run``, resolved and checked; errors name the
-        field (``agent.<key>``) and the fix."""
-        a = cls.section(run, source, see="params/agent.yaml")
-        fail = cls.failer(source)
-        if not isinstance(a["enabled"], bool):
-            fail("enabled", f"must be true or false, got {a['enabled']!r}")
-        _choices(a, run, fail)
-        _sizes(a, run, fail)
-        return cls.build(a)
+    def check(cls, values: dict[str, Any], run: Mapping[str, Any], fail: Fail, **context: Any) -> None:
+        _choices(values, run, fail)
+        _sizes(values, run, fail)
 
 
 def _choices(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
-    metrics, protocols, runtime, tools = _agent()
     run_models = list(run["models"])
     a["models"] = run_models if a["models"] is None else as_list(a["models"])
     if not isinstance(a["models"], list) or not a["models"] or any(m not in run_models for m in a["models"]):
         fail("models", f"must be null (the run's models) or a non-empty list drawn from the run's models {run_models}")
-    for key, valid in (("protocols", protocols.PROTOCOLS), ("slices", metrics.SLICES),
-                       ("schema_variants", tools.SCHEMA_VARIANTS)):
+    for key, valid in (("protocols", PROTOCOLS), ("slices", SLICES), ("schema_variants", SCHEMA_VARIANTS)):
         got = ordered_subset(a[key], valid)
         if got is None:
             fail(key, f"must be a non-empty list drawn from {list(valid)}, got {a[key]!r}")
@@ -93,15 +67,15 @@ def _choices(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
         fail("formulations", f"must be null (the run's) or a non-empty list drawn from {list(FORMULATIONS)}")
     a["formulations"] = got
     conds = as_list(a["conditions"])
-    if (not isinstance(conds, list) or not conds or any(c not in CONDITIONS for c in conds)
+    if (not isinstance(conds, list) or not conds or any(c not in ARM_CONDITIONS for c in conds)
             or len(set(conds)) != len(conds)):
-        fail("conditions", f"must be a non-empty list of distinct values from {list(CONDITIONS)} (the first is "
+        fail("conditions", f"must be a non-empty list of distinct values from {list(ARM_CONDITIONS)} (the first is "
                            f"reported, the rest are extra arms), got {a['conditions']!r}")
     a["conditions"] = conds
     if a["bootstrap"] not in BOOTSTRAPS:
         fail("bootstrap", f"must be one of {list(BOOTSTRAPS)}, got {a['bootstrap']!r}")
-    if a["runtime"] not in runtime.RUNTIMES:
-        fail("runtime", f"must be one of {list(runtime.RUNTIMES)}, got {a['runtime']!r}")
+    if a["runtime"] not in AGENT_RUNTIMES:
+        fail("runtime", f"must be one of {list(AGENT_RUNTIMES)}, got {a['runtime']!r}")
     if not isinstance(a["runtime_options"], dict):
         fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
     _arms(a, fail)

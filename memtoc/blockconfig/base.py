@@ -19,6 +19,26 @@ class Block(Mapping):
     reads the same values, for callers that index the block like the params file."""
 
     BLOCK = ""                      # the params key of the block (``finetune``, ...)
+    SEE = "params/default.yaml"     # the params file that documents the block (named in its errors)
+
+    @classmethod
+    def resolve(cls, run: Mapping[str, Any], source: str = "<params>", **context: Any) -> "Block":
+        """The block of the validated run parameters ``run``, resolved and checked: the defaults overlaid
+        with the params file's block (unknown keys refused), every ``bool`` field checked, then the
+        block's own ``check`` (``context``: what it needs beyond ``run``, e.g. notebook 04's models for
+        ``transfer``). Errors name the file, the field (``<block>.<key>``) and the fix."""
+        values = cls.section(run, source, see=cls.SEE)
+        fail = cls.failer(source)
+        for f in fields(cls):
+            if f.type in ("bool", bool) and not isinstance(values[f.name], bool):
+                fail(f.name, f"must be true or false, got {values[f.name]!r}")
+        cls.check(values, run, fail, **context)
+        return cls.build(values)
+
+    @classmethod
+    def check(cls, values: dict[str, Any], run: Mapping[str, Any], fail: Fail, **context: Any) -> None:
+        """The block's own checks: fill its run-dependent defaults in ``values`` and ``fail(key, fix)``
+        on a bad value. The base block has none."""
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:

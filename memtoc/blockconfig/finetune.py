@@ -6,10 +6,9 @@ from typing import Any, Mapping, Optional
 
 from ..config import ordered_subset
 from ..models import ModelError, get_model
-from ..vocab import ARM_CONDITIONS, FORMULATIONS
+from ..vocab import ARM_CONDITIONS, FORMULATIONS, OBJECTIVES
 from .base import Block, Fail, as_list, is_int, is_num
 
-OBJECTIVES = ("sft", "dpo")
 EVAL_CONDITIONS = ARM_CONDITIONS                  # tool_right, tool_wrong, tool_error
 LR_SCHEDULERS = ("linear", "constant", "cosine", "constant_with_warmup")
 TRAIN_DTYPES = ("bfloat16", "float32")
@@ -21,6 +20,7 @@ class FinetuneConfig(Block):
     """Every key of the ``finetune`` block with its default; ``resolve`` fills the run-dependent
     ``None`` defaults (models, train_formulations, seed) and checks every value."""
     BLOCK = "finetune"
+    SEE = "params/finetune.yaml"
 
     enabled: bool = True
     models: Optional[tuple[str, ...]] = None   # None: the run's instruction-tuned (chat) models, as the paper's
@@ -63,13 +63,7 @@ class FinetuneConfig(Block):
                                                # construct.related_links). false = the paper's folds as released
 
     @classmethod
-    def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "FinetuneConfig":
-        """The block of the validated run parameters ``run``, resolved and checked; errors name the
-        field (``finetune.<key>``) and the fix."""
-        f = cls.section(run, source, see="params/finetune.yaml")
-        fail = cls.failer(source)
-        if not isinstance(f["enabled"], bool):
-            fail("enabled", f"must be true or false, got {f['enabled']!r}")
+    def check(cls, f: dict[str, Any], run: Mapping[str, Any], fail: Fail, **context: Any) -> None:
         _models(f, list(run["models"]), fail)
         _choices(f, list(run["formulations"]), fail)
         _training(f, fail)
@@ -78,7 +72,6 @@ class FinetuneConfig(Block):
         if not is_int(f["seed"]) or f["seed"] < 0:
             fail("seed", f"must be null (the run's seed) or a non-negative integer, got {f['seed']!r}")
         _evaluation(f, fail)
-        return cls.build(f)
 
 
 def is_chat(model: str) -> bool:
@@ -152,8 +145,6 @@ def _training(f: dict, fail: Fail) -> None:
     f["target_modules"] = list(tm)
     if f["train_dtype"] not in TRAIN_DTYPES:
         fail("train_dtype", f"must be bfloat16 or float32, got {f['train_dtype']!r}")
-    if not isinstance(f["gradient_checkpointing"], bool):
-        fail("gradient_checkpointing", f"must be true or false, got {f['gradient_checkpointing']!r}")
     if f["threads"] is not None and (not is_int(f["threads"]) or f["threads"] < 1):
         fail("threads", f"must be null or a positive integer, got {f['threads']!r}")
 
@@ -166,5 +157,3 @@ def _evaluation(f: dict, fail: Fail) -> None:
     if not isinstance(f["backend_options"], dict):
         fail("backend_options", "must be a mapping of transformers backend options (e.g. {token_budget: 32768}), "
              f"got {f['backend_options']!r}")
-    if not isinstance(f["exclude_linked"], bool):
-        fail("exclude_linked", f"must be true or false (false: the paper's folds), got {f['exclude_linked']!r}")

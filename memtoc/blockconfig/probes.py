@@ -5,41 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .base import Block, is_num
+from ..vocab import BUILTIN, DIRECTIONS, FVU_GATE, POSITIONS
+from .base import Block, Fail, is_num
 
 PER_MODEL = ("bands", "lens_files", "sae_layers", "sae_files")   # mappings keyed by model name
-
-
-def _probes():
-    """(corpus, sae, steering) of ``memtoc.probes`` (imported when first needed: they load torch, and
-    the probes package imports the run configuration, which imports this module)."""
-    from ..probes import corpus, sae, steering
-    return corpus, sae, steering
-
-
-def _corpus() -> str:
-    return _probes()[0].BUILTIN
-
-
-def _fvu_gate() -> float:
-    return _probes()[1].FVU_GATE
-
-
-def _directions() -> tuple[str, ...]:
-    return tuple(_probes()[2].DIRECTIONS)
-
-
-def _positions() -> tuple[str, ...]:
-    return tuple(_probes()[2].POSITIONS)
 
 
 @dataclass(frozen=True)
 class ProbesConfig(Block):
     """Every key of the ``probes`` block with its default."""
     BLOCK = "probes"
+    SEE = "params/probes.yaml"
 
     enabled: bool = True
-    corpus: str = field(default_factory=_corpus)   # builtin (pydoc_data.topics) or a UTF-8 text file
+    corpus: str = BUILTIN                          # builtin (pydoc_data.topics) or a UTF-8 text file
     # Jacobian lens
     bands: dict = field(default_factory=dict)      # {model: [lo, hi]} inclusive source layers; default: the top
                                                    # default_band_layers
@@ -69,24 +48,20 @@ class ProbesConfig(Block):
     sae_corpus_texts: int = 2                      # plus generic documents
     sae_max_seq_len: int = 128
     sae_heldout_prompts: int = 3                   # held-out episode prompts: FVU gate, spliced loss
-    fvu_gate: float = field(default_factory=_fvu_gate)
+    fvu_gate: float = FVU_GATE
     # mining and steering
     mine_fold: int = 0
     mine_per_label: int = 6                        # mining episodes per label (kept memory / followed tool)
     top_features: int = 8
     steer_per_direction: int = 2                   # the paper: 40 per direction
     strengths: tuple[float, ...] = (12,)           # the paper: 1-12
-    directions: tuple[str, ...] = field(default_factory=_directions)
-    positions: tuple[str, ...] = field(default_factory=_positions)
+    directions: tuple[str, ...] = DIRECTIONS
+    positions: tuple[str, ...] = POSITIONS
     steer_formulations: tuple[str, ...] = ("reference",)
 
     @classmethod
-    def resolve(cls, run: Mapping[str, Any], source: str = "<params>") -> "ProbesConfig":
-        """The block of the run parameters ``run``, checked (errors name ``probes.<key>``)."""
-        pr = cls.section(run, source, see="params/probes.yaml")
-        fail = cls.failer(source)
-        _, _, steering = _probes()
-        for key, valid in (("directions", steering.DIRECTIONS), ("positions", steering.POSITIONS)):
+    def check(cls, pr: dict[str, Any], run: Mapping[str, Any], fail: Fail, **context: Any) -> None:
+        for key, valid in (("directions", DIRECTIONS), ("positions", POSITIONS)):
             bad = [v for v in pr[key] if v not in valid] if isinstance(pr[key], list) else [pr[key]]
             if bad:
                 fail(key, f"unknown value(s) {bad}; valid: {', '.join(valid)}")
@@ -96,4 +71,3 @@ class ProbesConfig(Block):
         for key in PER_MODEL:
             if not isinstance(pr[key], dict):
                 fail(key, f"must be a mapping keyed by model name, got {pr[key]!r}")
-        return cls.build(pr)

@@ -5,31 +5,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from ..config import ordered_subset
-from ..vocab import FORMULATIONS
+from ..vocab import BUILTIN, FORMULATIONS, OBJECTIVES, POOLS, UNMATCHED_GAP
 from .base import Block, Fail, as_list, is_int
-from .finetune import OBJECTIVES
 
 CLOSED_BOOK_BAND = 0.03     # the paper's pre-registered band on the closed-book accuracy change
-
-
-def _data():
-    """``memtoc.transfer.data`` (imported when first needed: the transfer package imports the run
-    configuration, which imports this module)."""
-    from ..transfer import data
-    return data
-
-
-def _frames() -> tuple[str, ...]:
-    return tuple(_data().POOLS)
-
-
-def _builtin() -> str:
-    return _data().BUILTIN
-
-
-def _unmatched_gap() -> float:
-    from ..transfer import matcher
-    return matcher.UNMATCHED_GAP
 
 
 @dataclass(frozen=True)
@@ -38,14 +17,14 @@ class TransferConfig(Block):
     BLOCK = "transfer"
 
     enabled: bool = True
-    dataset: str = field(default_factory=_builtin)   # "builtin" (the plumbing set) or a path to a validated JSONL
+    dataset: str = BUILTIN                     # "builtin" (the plumbing set) or a path to a validated JSONL
     n_counterfactual: Optional[int] = None     # first n counterfactual items (None: all)
     n_unanswerable: Optional[int] = None       # first n unanswerable items (None: all)
     verified_only: bool = False                # keep only rows with verified: true (the paper's human-verified pools)
     formulations: Optional[tuple[str, ...]] = None   # None: the run's formulations
     models: Optional[tuple[str, ...]] = None   # None: notebook 04's models (finetune.models: the run's instruction-
                                                # tuned models, as the paper's Table 6); else a list of the run's models
-    frames: tuple[str, ...] = field(default_factory=_frames)
+    frames: tuple[str, ...] = POOLS
     forward_objectives: tuple[str, ...] = OBJECTIVES
     forward_folds: tuple[int, ...] = (0,)      # which of notebook 04's fold adapters to read (any: none saw this set)
     adapters_from: Optional[str] = None        # None: this run's adapters/; else another run directory
@@ -57,18 +36,12 @@ class TransferConfig(Block):
     reverse_train_formulations: tuple[str, ...] = ("reference",)
     reverse_eval_questions: int = 8            # MemToC analysis questions the reverse adapter is scored on
     closed_book_band: float = CLOSED_BOOK_BAND
-    unmatched_gap: float = field(default_factory=_unmatched_gap)
+    unmatched_gap: float = UNMATCHED_GAP
 
     @classmethod
-    def resolve(cls, run: Mapping[str, Any], finetune_models: Sequence[str],
-                source: str = "<params>") -> "TransferConfig":
-        """The block of the validated run parameters ``run`` (``finetune_models``: notebook 04's
-        models, the default of ``models``), resolved and checked."""
-        t = cls.section(run, source)
-        fail = cls.failer(source)
-        for key in ("enabled", "verified_only", "reverse"):
-            if not isinstance(t[key], bool):
-                fail(key, f"must be true or false, got {t[key]!r}")
+    def check(cls, t: dict[str, Any], run: Mapping[str, Any], fail: Fail, *,
+              finetune_models: Sequence[str] = (), **context: Any) -> None:
+        """``finetune_models``: notebook 04's models, the default of ``models``."""
         if not isinstance(t["dataset"], str) or not t["dataset"]:
             fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
         for key in ("n_counterfactual", "n_unanswerable"):
@@ -78,7 +51,6 @@ class TransferConfig(Block):
         _selection(t, run, finetune_models, fail)
         _forward(t, fail)
         _reverse(t, fail)
-        return cls.build(t)
 
 
 def _selection(t: dict, run: Mapping[str, Any], finetune_models: Sequence[str], fail: Fail) -> None:
@@ -93,10 +65,9 @@ def _selection(t: dict, run: Mapping[str, Any], finetune_models: Sequence[str], 
     t["models"] = as_list(t["models"])
     if not isinstance(t["models"], list) or any(m not in run_models for m in t["models"]):
         fail("models", f"must be null (notebook 04's models) or a list drawn from the run's models {run_models}")
-    frames = _frames()
-    if not isinstance(t["frames"], list) or not t["frames"] or any(f not in frames for f in t["frames"]):
-        fail("frames", f"must be a non-empty list drawn from {list(frames)}")
-    t["frames"] = [f for f in frames if f in t["frames"]]
+    if not isinstance(t["frames"], list) or not t["frames"] or any(f not in POOLS for f in t["frames"]):
+        fail("frames", f"must be a non-empty list drawn from {list(POOLS)}")
+    t["frames"] = [f for f in POOLS if f in t["frames"]]
 
 
 def _forward(t: dict, fail: Fail) -> None:

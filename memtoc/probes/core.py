@@ -39,9 +39,12 @@ from ..blockconfig import ProbesConfig
 from ..config import ConfigError, MemtocError, resolve_release_dir
 from ..records import arm_key
 from ..runconfig import RunConfig, RunPaths
-from ..scoring import canon
+from ..scoring import canon, strip_answer_label
+from ..weights import model_cache_root
 from . import corpus as C
+from . import dictionaries as D
 from . import lens as L
+from . import lensfiles as LF
 from . import mining as M
 from . import sae as S
 from . import steering as ST
@@ -52,10 +55,31 @@ SETS = ("arbitration", "own_answer")
 SPLITS = ("followed_tool", "kept_memory")
 TOP = 20
 
-CAVEAT = ("Embedded-model numbers: a tiny model whose arbitration cell holds a handful of episodes, a "
-          "Jacobian lens fitted on a few documents of an offline corpus ({corpus}), and an SAE trained "
-          "here on a few thousand tokens: pipeline checks, not measurements of the paper's models. No "
-          "mechanism claims.")
+TINY_CAVEAT = ("{label}: an embedded tiny model ({params} parameters) whose arbitration cell holds a handful of "
+               "episodes, {lens}, and {sae}: pipeline checks, not measurements of the paper's models. No "
+               "mechanism claims.")
+MODEL_CAVEAT = ("{label} ({hub}): {lens}; {sae}. Table 8's ranks compare with the paper's only under its published "
+                "lens and source-layer band; App. C was measured on the previous benchmark version (App. B). No "
+                "mechanism claims.")
+
+
+def caveat(spec: models.ModelSpec, lens_fit: dict, sae_used: dict) -> str:
+    """The caveat of one model's probe numbers: what the model is (an embedded tiny model or a model
+    of the registry), where its lens came from (``lens_fit``: run_lens's record) and its dictionaries
+    (``sae_used``: {layer: "given" | "trained here"})."""
+    if lens_fit.get("source") == "given":
+        lens = f"a given Jacobian lens ({lens_fit.get('url') or lens_fit.get('file')}, sha256 {lens_fit.get('sha256', '?')[:12]})"
+    else:
+        corpus = (lens_fit.get("corpus") or {}).get("name", "?")
+        lens = (f"a Jacobian lens fitted here on {lens_fit.get('n_prompts', '?')} document(s) of the offline corpus "
+                f"{corpus} (the published lenses: wikitext)")
+    kinds = sorted(set(sae_used.values()))
+    sae = ("no SAE" if not kinds else "SAE dictionaries " + " / ".join(
+        "trained here on a few thousand tokens" if k == "trained here" else "given (released)" for k in kinds))
+    if spec.source == "embedded":
+        return TINY_CAVEAT.format(label=spec.label, params=f"{spec.params_b * 1000:.0f}M" if spec.params_b else "?",
+                                  lens=lens, sae=sae)
+    return MODEL_CAVEAT.format(label=spec.label, hub=spec.hub_id or spec.path or spec.name, lens=lens, sae=sae)
 
 
 class ProbeError(MemtocError):
@@ -98,15 +122,50 @@ def read_scored(run_dir: Path, label: str, formulations: Sequence[str]) -> list[
     return [r for r in rows if r.get("condition") == "tool_wrong" and r.get("frame", "schema") == "schema"]
 
 
+def own_answer(row: dict) -> str:
+    """The closed-book answer of a scored row as the lens reads it: ``memory_span`` without a leading
+    answer label (``scoring.strip_answer_label``: "Answer: 1851" -> "1851"), so a scored file written
+    before spans were stripped reads the same as a fresh one; "" for an absent answer."""
+    if row.get("mem_absent"):
+        return ""
+    return strip_answer_label(str(row.get("memory_span") or "")).strip()
+
+
 def episode_sets(rows: Sequence[dict]) -> dict[str, list[dict]]:
     arb = [r for r in rows if r.get("cell") == "arb"]
-    own = [r for r in rows if r.get("memory_span") and not r.get("mem_absent")
-           and canon(r["memory_span"]) and canon(r["memory_span"]) != canon(str(r.get("tool_value")))]
+    own = [r for r in rows if canon(own_answer(r)) and canon(own_answer(r)) != canon(str(r.get("tool_value")))]
     return {"arbitration": arb, "own_answer": own}
 
 
 def _first_tokens(lm: LoadedModel, answer: str) -> list[int]:
     return list(lm.tokenizer(answer.strip(), add_special_tokens=False)["input_ids"])
+
+
+def control_pool(lm: LoadedModel, rows: Sequence[dict]) -> list[tuple[str, int]]:
+    """(question id, first token of its closed-book answer) for every question of the model's rows
+    with an answer, one entry per distinct pair, in row order: the control set's candidates (the
+    paper's control is per model: other questions' elicited answers, not only the set's episodes)."""
+    seen: dict[tuple[str, int], None] = {}
+    for r in rows:
+        toks = _first_tokens(lm, own_answer(r))
+        if toks:
+            seen.setdefault((str(r["question_id"]), toks[0]), None)
+    return list(seen)
+
+
+def pick_controls(question_id: str, own_first: int, pool: Sequence[tuple[str, int]], n: int,
+                  start: int = 0) -> list[int]:
+    """Up to ``n`` distinct first tokens of other questions' answers from ``pool`` (read cyclically
+    from ``start``, so episodes draw different controls), never the episode's own question and never
+    its own answer's first token."""
+    out: list[int] = []
+    for k in range(len(pool)):
+        qid, tok = pool[(start + k) % len(pool)]
+        if qid != str(question_id) and tok != own_first and tok not in out:
+            out.append(tok)
+            if len(out) >= n:
+                break
+    return out
 
 
 def _rank_stats(ranks: Sequence[int]) -> dict[str, Any]:
@@ -116,17 +175,21 @@ def _rank_stats(ranks: Sequence[int]) -> dict[str, Any]:
 
 # -- the lens ------------------------------------------------------------------------------------
 def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path, docs_fit: list[str],
-             docs_held: list[str], corpus_info: C.CorpusInfo) -> dict[str, Any]:
+             docs_held: list[str], corpus_info: C.CorpusInfo, cache_root: Optional[Path] = None) -> dict[str, Any]:
+    """The lens panel of one model: a published lens (``probes.lens_files``: path, URL or hf:// name,
+    downloaded once into ``cache_root``, default the model cache) or one fitted here."""
     t0 = time.time()
     band = band_of(pr, lm)
     given = _for_model(pr.lens_files, lm.name, lm.spec.label)
     if given:
-        lens = L.load_lens(given)
-        L.check_lens(lens, lm, f"probes.lens_files.{lm.name}")
+        where = f"probes.lens_files.{lm.name}"
+        src = LF.resolve(given, cache_root or model_cache_root(), where)
+        lens = L.load_lens(src.path)
+        L.check_lens(lens, lm, where)
         missing = [l for l in band if l not in lens.J]
         if missing:
             raise ConfigError(f"probes.lens_files.{lm.name}: {given} has no matrix for band layers {missing}")
-        fit = {"file": str(given), "source": "given", "metadata": lens.metadata, "n_prompts": lens.n_prompts}
+        fit = {**src.to_dict(), "source": "given", "metadata": lens.metadata, "n_prompts": lens.n_prompts}
     else:
         key = L.fit_key(lm, corpus_info.sha256, band, pr.lens_skip_first, pr.lens_max_seq_len, len(docs_fit))
         out = RunPaths(run_dir).probe_lens(lm.spec.label, key)
@@ -145,26 +208,26 @@ def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path,
     out_sets = {}
     for name in SETS:
         eps = [e for sp in SPLITS for e in [x for x in sets[name] if x["outcome"] == sp][: pr.lens_max_episodes]]
-        out_sets[name] = lens_set(lm, lens, band, eps, pr.n_control)
+        out_sets[name] = lens_set(lm, lens, band, eps, pr.n_control, control_pool(lm, rows))
     return {"band": [band[0], band[-1]], "fit": fit | {"corpus": corpus_info.to_dict()},
             "quality": quality, "sets": out_sets,
             "seconds": {"fit": t_fit, "quality": t_q, "readout": time.time() - t0 - t_fit - t_q}}
 
 
-def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_control: int) -> dict[str, Any]:
-    """Ranks of the closed-book answer at the final input position, min over the band."""
-    eps = [e for e in eps if _first_tokens(lm, e["memory_span"])]
-    answers = [_first_tokens(lm, e["memory_span"]) for e in eps]
+def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_control: int,
+             pool: Optional[Sequence[tuple[str, int]]] = None) -> dict[str, Any]:
+    """Ranks of the closed-book answer (:func:`own_answer`) at the final input position, min over the
+    band; controls (:func:`pick_controls`) from ``pool`` (default: the set's own episodes)."""
+    eps = [e for e in eps if _first_tokens(lm, own_answer(e))]
+    answers = [_first_tokens(lm, own_answer(e)) for e in eps]
+    if pool is None:
+        pool = control_pool(lm, eps)
+    start = {q: k for k, (q, _) in reversed(list(enumerate(pool)))}
     per: dict[str, dict[str, list]] = {r: {k: [] for k in ("rank", "best", "layers", "control", "control_layers")}
                                        for r in L.READOUTS}
     qids = [e["question_id"] for e in eps]
     for i, e in enumerate(eps):
-        others = []
-        for j in list(range(i + 1, len(eps))) + list(range(i)):
-            if qids[j] != qids[i] and answers[j][0] not in others and answers[j][0] != answers[i][0]:
-                others.append(answers[j][0])
-            if len(others) >= n_control:
-                break
+        others = pick_controls(qids[i], answers[i][0], pool, n_control, start.get(str(qids[i]), i) + 1)
         ids = lm.encode_prompt(e["prompt"])
         rk = L.readout_ranks(lm, ids, lens, band, {"first": answers[i][:1], "all": answers[i], "control": others})
         for r in L.READOUTS:
@@ -177,7 +240,7 @@ def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_
                 per[r]["control"].append(min(cl.values()))
                 per[r]["control_layers"].append(cl)
     split = [e["outcome"] for e in eps]
-    absent = [canon(e["memory_span"]) not in canon(e["prompt"]) for e in eps]
+    absent = [canon(own_answer(e)) not in canon(e["prompt"]) for e in eps]
     res: dict[str, Any] = {"n_episodes": len(eps), "n_both": split.count("both"), "n_neither": split.count("neither")}
     for r in L.READOUTS:
         d: dict[str, Any] = {}
@@ -226,7 +289,7 @@ def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_di
     layers = [int(l) for l in (layers or [band[len(band) // 2]])]
     files = _for_model(pr.sae_files, lm.name, lm.spec.label) or {}
     out_layers: dict[str, Any] = {}
-    saes: dict[int, tuple[S.TopKSAE, str]] = {}
+    saes: dict[int, tuple[D.SparseDictionary, str]] = {}
     for l in layers:
         t1 = time.time()
         acts = torch.cat(S.layer_acts(lm, seq_train, l))
@@ -234,8 +297,12 @@ def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_di
         timing[f"sae_layer{l}_activations"] = time.time() - t1
         given = files.get(l, files.get(str(l)))
         if given:
-            sae, cfg = S.load_sae(Path(given))
-            info = {"source": "given", "file": str(given)}
+            sae, dcfg = D.load_sae(Path(given))
+            if sae.d_in != lm.d_model:
+                raise ConfigError(f"probes.sae_files.{lm.name}.{l}: {given} reads d_in = {sae.d_in}, the model's "
+                                  f"d_model is {lm.d_model}; name the dictionary of this model's layer {l}")
+            info = {"source": "given", "file": str(given), "layout": dcfg["layout"],
+                    "architecture": sae.architecture}
         else:
             sae, info = S.train_topk(acts, pr.sae_expansion * lm.d_model, pr.sae_k, pr.sae_steps,
                                      pr.sae_batch, pr.sae_lr, seed=cfg.seed + l)
@@ -255,9 +322,10 @@ def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_di
     named = _for_model(pr.dictionaries, lm.name, lm.spec.label)
     res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q),
                            "dictionary": {"paper": named, "used": {l: out_layers[str(l)]["source"] for l in layers},
-                                          "note": ("memtoc reads local topk dictionaries in sae-lens's layout "
-                                                   "(probes.sae_files); a named sae-lens release must be exported "
-                                                   "there first (sae-lens is not a memtoc dependency)")}}
+                                          "note": ("probes.sae_files names local copies of released dictionaries "
+                                                   "(ReLU, JumpReLU or TopK in sae-lens's, GemmaScope's or Llama "
+                                                   "Scope's layout; probes.dictionaries.load_sae); without one a "
+                                                   "TopK dictionary is trained here")}}
     passing = [l for l in layers if out_layers[str(l)]["passes_gate"]]
     bar = ST.prompting_bar(evaluation, lm.name)
     res["steer"] = {"bar": bar}
@@ -367,7 +435,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     ev_path = cfg.paths.summary("evaluation")
     evaluation = json.loads(ev_path.read_text()) if ev_path.is_file() else {}
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": cfg.run_name,
-                               "corpus": cinfo.to_dict(), "caveat": CAVEAT.format(corpus=cinfo.name),
+                               "corpus": cinfo.to_dict(), "caveat": "",
                                "config": pr.to_dict(), "models": {}, "published": published(cfg.release_dir)}
     for name in cfg.models:
         t0 = time.time()
@@ -375,16 +443,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         t_load = time.time() - t0
         rows = read_scored(run_dir, lm.spec.label, sorted(set(pr.lens_formulations) | set(pr.steer_formulations)))
         lens_rows = [r for r in rows if r["formulation"] in pr.lens_formulations]
-        lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr.lens_fit_prompts], docs_held, cinfo)
+        lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr.lens_fit_prompts], docs_held, cinfo,
+                      model_cache_root(cfg.model_cache_dir))
         t1 = time.time()
         sae = run_sae(lm, cfg, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation)
         summary["models"][name] = {
             "label": lm.spec.label, "chat": lm.spec.chat, "n_layers": lm.n_layers, "d_model": lm.d_model,
             "lens": lz["sets"], "lens_quality": lz["quality"], "lens_fit": {"band": lz["band"], **lz["fit"]},
-            "sae": sae,
+            "sae": sae, "caveat": caveat(lm.spec, lz["fit"], (sae.get("dictionary") or {}).get("used", {})),
             "timing": {"load": t_load, **{f"lens_{k}": v for k, v in lz["seconds"].items()},
                        "sae_total": time.time() - t1, "total": time.time() - t0}}
         del lm
+    summary["caveat"] = "\n".join(m["caveat"] for m in summary["models"].values())
     cfg.paths.write_summary("probes", summary)
     return summary
 

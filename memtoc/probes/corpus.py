@@ -19,8 +19,8 @@ from typing import Any
 from pydoc_data import topics
 
 from ..config import ConfigError
+from ..vocab import BUILTIN
 
-BUILTIN = "builtin"
 BUILTIN_NAME = "python-pydoc_data-topics"
 
 

@@ -8,7 +8,8 @@ Metrics: FVU = sum ||x - x_hat||^2 / sum ||x - mean(x)||^2 (0 for a perfect reco
 predicting the mean), L0 (mean active latents per token), dead latents (never active on the
 evaluation tokens), and the spliced loss: the model's next-token loss with the layer's residual
 stream replaced by its reconstruction, minus the clean loss. The paper's gate: full-sequence
-FVU < 0.5 on the run's own episodes' activations.
+FVU < 0.5 on the run's own episodes' activations. Pretrained dictionaries (ReLU, JumpReLU, TopK in
+sae-lens's, GemmaScope's or Llama Scope's layout) load with ``dictionaries.load_sae``.
 """
 from __future__ import annotations
 
@@ -18,47 +19,18 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ..config import MemtocError
+from ..vocab import FVU_GATE
+from .dictionaries import CFG_FILE, WEIGHTS_FILE, SparseDictionary
 from .hfmodel import LoadedModel, decoder_layers, layer_hooks
 
-WEIGHTS_FILE = "sae_weights.safetensors"
-CFG_FILE = "cfg.json"
-FVU_GATE = 0.5
 
+class TopKSAE(SparseDictionary):
+    """The dictionary memtoc trains: TopK, inputs centred by ``b_dec``."""
 
-class SAEError(MemtocError):
-    """A dictionary that cannot be read or does not fit the model."""
-
-
-class TopKSAE(torch.nn.Module):
     def __init__(self, d_in: int, d_sae: int, k: int):
-        super().__init__()
-        self.d_in, self.d_sae, self.k = d_in, d_sae, k
-        self.W_enc = torch.nn.Parameter(torch.zeros(d_in, d_sae))
-        self.b_enc = torch.nn.Parameter(torch.zeros(d_sae))
-        self.W_dec = torch.nn.Parameter(torch.zeros(d_sae, d_in))
-        self.b_dec = torch.nn.Parameter(torch.zeros(d_in))
-
-    def follow(self, x: torch.Tensor) -> None:
-        """Move the dictionary to ``x``'s device (a dictionary is loaded on the CPU, the model's
-        activations may live on the GPU)."""
-        if self.W_enc.device != x.device:
-            self.to(x.device)
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self.follow(x)
-        pre = torch.relu((x - self.b_dec) @ self.W_enc + self.b_enc)
-        top = pre.topk(self.k, dim=-1)
-        return torch.zeros_like(pre).scatter(-1, top.indices, top.values)
-
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        self.follow(z)
-        return z @ self.W_dec + self.b_dec
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(x))
+        super().__init__(d_in, d_sae, "topk", k=k, apply_b_dec_to_input=True)
 
 
 def fvu(x: torch.Tensor, x_hat: torch.Tensor) -> float:
@@ -101,7 +73,7 @@ def train_topk(acts: torch.Tensor, d_sae: int, k: int, steps: int = 1000, batch:
                  "final_loss": losses[-1] if losses else None}
 
 
-def metrics(sae: TopKSAE, acts: torch.Tensor) -> dict[str, Any]:
+def metrics(sae: SparseDictionary, acts: torch.Tensor) -> dict[str, Any]:
     """FVU, L0 and dead latents on ``acts`` (n, d)."""
     with torch.no_grad():
         z = sae.encode(acts)
@@ -112,7 +84,7 @@ def metrics(sae: TopKSAE, acts: torch.Tensor) -> dict[str, Any]:
             "passes_gate": bool(fvu(acts, rec) < FVU_GATE)}
 
 
-def spliced_loss(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, sae: TopKSAE) -> dict[str, Any]:
+def spliced_loss(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, sae: SparseDictionary) -> dict[str, Any]:
     """Mean next-token cross-entropy over ``seqs`` clean and with layer ``layer``'s residual stream
     replaced by the SAE reconstruction at every position; ``increase`` = spliced - clean."""
     tot = {"clean": 0.0, "spliced": 0.0}
@@ -146,24 +118,6 @@ def save_sae(sae: TopKSAE, path: Path, *, model_name: str, layer: int, extra: Op
                         "sae_lens_training_version": None, "memtoc": extra or {}}}
     (path / CFG_FILE).write_text(json.dumps(cfg, indent=1, default=str))
     return path
-
-
-def load_sae(path: Path) -> tuple[TopKSAE, dict[str, Any]]:
-    """A TopK dictionary in sae-lens's layout (ours or a pretrained release's local copy)."""
-    path = Path(path)
-    if not (path / CFG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise SAEError(f"{path}: expected {CFG_FILE} and {WEIGHTS_FILE} (sae-lens's on-disk layout)")
-    cfg = json.loads((path / CFG_FILE).read_text())
-    if cfg.get("architecture") not in ("topk", "batchtopk"):
-        raise SAEError(f"{path}/{CFG_FILE}: architecture {cfg.get('architecture')!r}; memtoc's CPU path reads "
-                       "topk dictionaries only (other architectures: use sae-lens on a GPU machine)")
-    w = load_file(str(path / WEIGHTS_FILE))
-    sae = TopKSAE(int(cfg["d_in"]), int(cfg["d_sae"]), int(cfg["k"]))
-    sae.load_state_dict({k: w[k].float() for k in ("W_enc", "b_enc", "W_dec", "b_dec")})
-    sae.eval()
-    for p in sae.parameters():
-        p.requires_grad_(False)
-    return sae, cfg
 
 
 def layer_acts(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, positions: str = "all"

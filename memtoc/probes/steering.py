@@ -30,12 +30,11 @@ from ..backends.hf import cache_keyword
 from ..render import render_prompt
 from ..scoring import has_final_line, score_reply
 from ..stats import clopper_pearson
+from ..vocab import DIRECTIONS, POSITIONS
 from .hfmodel import LoadedModel, layer_hooks
 from .mining import MEMORY, TOOL
-from .sae import TopKSAE
+from .dictionaries import SparseDictionary
 
-DIRECTIONS = ("to_memory", "to_tool")
-POSITIONS = ("last", "tool_span")
 TARGET = {"to_memory": MEMORY, "to_tool": TOOL}
 
 
@@ -55,7 +54,7 @@ class Edit:
                 "remove": list(self.remove)}
 
 
-def edit_delta(sae: TopKSAE, h: torch.Tensor, edit: Edit) -> torch.Tensor:
+def edit_delta(sae: SparseDictionary, h: torch.Tensor, edit: Edit) -> torch.Tensor:
     """The (unscaled) clamp vector for residual rows ``h`` (n, d)."""
     z = sae.encode(h)
     delta = torch.zeros_like(h)
@@ -69,7 +68,7 @@ def edit_delta(sae: TopKSAE, h: torch.Tensor, edit: Edit) -> torch.Tensor:
     return delta
 
 
-def apply_edit(sae: TopKSAE, h: torch.Tensor, positions: Sequence[int], edit: Edit) -> torch.Tensor:
+def apply_edit(sae: SparseDictionary, h: torch.Tensor, positions: Sequence[int], edit: Edit) -> torch.Tensor:
     """``h`` (1, T, d) with the edit applied at ``positions`` (a new tensor; strength 0: equal)."""
     out = h.clone()
     pos = torch.tensor(list(positions), dtype=torch.long, device=h.device)
@@ -104,7 +103,7 @@ class SteeredGenerator(Generator):
 
     backend = "memtoc-probes-steer"
 
-    def __init__(self, lm: LoadedModel, sae: TopKSAE, sae_sha256: str, edit: Edit, spans: dict[str, str],
+    def __init__(self, lm: LoadedModel, sae: SparseDictionary, sae_sha256: str, edit: Edit, spans: dict[str, str],
                  max_new_tokens: int = 48, stop_at_final: bool = True, stop_at_first_line: Optional[bool] = None):
         # a base model's reply is its first complete line, as in notebook 03 (models.load_generator)
         if stop_at_first_line is None:
@@ -174,7 +173,7 @@ def _as_list(v) -> list:
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-def sae_sha256(sae: TopKSAE) -> str:
+def sae_sha256(sae: SparseDictionary) -> str:
     h = hashlib.sha256()
     for k, v in sorted(sae.state_dict().items()):
         h.update(k.encode())

@@ -49,11 +49,10 @@ from ..config import MemtocError
 from ..io import json_line
 from ..jsonl import json_lines, read_lines, split_lines
 from ..scoring import canon
+from ..vocab import BUILTIN, POOLS
 
 KINDS = ("counterfactual", "unanswerable")
 FIELDS = ("id", "kind", "question", "choices", "gold_key", "cf_key", "passage", "pools", "verified", "source")
-POOLS = ("value", "passage")
-BUILTIN = "builtin"
 BUILTIN_FILE = "transfer_builtin.jsonl"
 PLUMBING_NOTE = ("built-in plumbing set written for memtoc (60 counterfactual + 30 unanswerable items), "
                  "not FaithEval/ARC: its numbers test the pipeline and say nothing about the paper's claim")

@@ -33,7 +33,6 @@ from ..scoring import canon, extract_final, is_abstain
 
 ABSTAIN = "ABSTAIN"
 RULES = ("label", "text", "abstain", "contains", "numeric")
-UNMATCHED_GAP = 0.03
 
 _LABEL_FORM = re.compile(
     r"^(?P<pre>(?:the\s+)?(?:correct\s+|best\s+|final\s+)?(?:answer|option|choice)(?:\s+is)?\s*[:\-]?\s*)?"

@@ -28,31 +28,30 @@ def published_table(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def rates_table(summary: dict[str, Any]) -> pd.DataFrame:
-    """Pooled rate of every metric per model × arm, with interval and n."""
+def _pooled_rows(summary: dict[str, Any], section: str, entries: str, columns: tuple[str, ...]) -> pd.DataFrame:
+    """One row per model × arm × metric: the pooled entry of ``models.<model>.<section>.<arm>.<entries>
+    .<metric>``, its ``columns`` in order (``ci_lo`` and ``ci_hi``: the ends of its ``ci95``)."""
     rows = []
     for model, ms in summary.get("models", {}).items():
-        for arm, a in ms.get("arms", {}).items():
-            for m, by in a["rates"].items():
+        for arm, a in ms.get(section, {}).items():
+            for m, by in a[entries].items():
                 r = by.get("pooled") or {}
                 ci = r.get("ci95") or [None, None]
-                rows.append({"model": model, "arm": arm, "metric": m, "value": r.get("value"),
-                             "ci_lo": ci[0], "ci_hi": ci[1], "n": r.get("n")})
+                ends = {"ci_lo": ci[0], "ci_hi": ci[1]}
+                rows.append({"model": model, "arm": arm, "metric": m,
+                             **{c: ends[c] if c in ends else r.get(c) for c in columns}})
     return pd.DataFrame(rows)
+
+
+def rates_table(summary: dict[str, Any]) -> pd.DataFrame:
+    """Pooled rate of every metric per model × arm, with interval and n."""
+    return _pooled_rows(summary, "arms", "rates", ("value", "ci_lo", "ci_hi", "n"))
 
 
 def forward_table(summary: dict[str, Any]) -> pd.DataFrame:
     """Pooled forward deltas (adapter − untreated) per model × arm × metric."""
-    rows = []
-    for model, ms in summary.get("models", {}).items():
-        for arm, f in ms.get("forward", {}).items():
-            for m, by in f["deltas"].items():
-                c = by["pooled"]
-                ci = c.get("ci95") or [None, None]
-                rows.append({"model": model, "arm": arm, "metric": m, "untreated": c.get("untreated"),
-                             "treated": c.get("treated"), "delta": c.get("delta"), "ci_lo": ci[0], "ci_hi": ci[1],
-                             "p": c.get("p"), "p_holm": c.get("p_holm"), "n_units": c.get("n_units")})
-    return pd.DataFrame(rows)
+    return _pooled_rows(summary, "forward", "deltas",
+                        ("untreated", "treated", "delta", "ci_lo", "ci_hi", "p", "p_holm", "n_units"))
 
 
 def reverse_table(summary: dict[str, Any]) -> pd.DataFrame:

@@ -1,10 +1,13 @@
-"""The ``judge`` block (PROTOCOL §4b, the judged layer; ``null`` = no judge)."""
+"""The ``judge`` block (PROTOCOL §4b, the judged layer; ``null`` = no judge).
+
+At the bottom layer (it imports only ``memtoc.vocab``): ``memtoc.config.validate_params`` fills the
+block's defaults with it, and ``memtoc.blockconfig`` exports it beside the stage blocks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, NoReturn, Optional
 
-from ..vocab import BACKENDS, Backend
+from .vocab import BACKENDS, Backend
 
 EXAMPLE = "e.g. judge: {model: smollm2-135m-instruct, backend: transformers}"
 

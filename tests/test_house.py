@@ -1,0 +1,192 @@
+"""The house rules of the package, checked on its source (unit-only: no model, no data).
+
+1. No ``*_DEFAULTS`` dict outside the config layer (:data:`CONFIG_LAYER`): defaults live in the
+   typed blocks (``memtoc.blockconfig``) and ``memtoc.config.DEFAULTS``.
+2. No stage function takes the raw params dict. Detected in the stage modules (:data:`STAGE_MODULES`)
+   as a parameter named ``P`` or ``params`` that is unannotated or annotated with ``dict`` /
+   ``Mapping``, or any parameter annotated ``RunConfig | dict`` (or ``Mapping``): a stage takes
+   the typed ``RunConfig`` (or its block) only. The pipeline, the preflight and the dry run read
+   the params file and are not stage modules.
+3. No path under a run directory joined outside ``RunPaths``: tests/test_runpaths.py's scan (run
+   there; :func:`house_violations` lists it beside the others).
+4. No module of memtoc/ over :data:`MAX_MODULE_LINES` lines.
+5. No function over :data:`MAX_FUNCTION_LINES` lines (``end_lineno - lineno + 1`` of its ``def``).
+
+The config layer imports at the top only and has no import cycle: each of its modules imports in a
+fresh interpreter, whichever comes first. ``python tests/test_house.py`` prints every violation.
+"""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "memtoc"
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+CONFIG_LAYER = ("memtoc/config.py", "memtoc/runconfig.py", "memtoc/judgeconfig.py", "memtoc/vocab.py",
+                "memtoc/blockconfig/")
+STAGE_MODULES = ("memtoc/construct.py", "memtoc/elicitation.py", "memtoc/episodes.py", "memtoc/evaluation.py",
+                 "memtoc/judge.py", "memtoc/analyses/", "memtoc/finetune/", "memtoc/probes/", "memtoc/transfer/",
+                 "memtoc/agent/", "memtoc/claims.py", "memtoc/report.py", "memtoc/replication.py")
+#: raw-params functions not yet moved to the typed configuration ("file:function" -> count); may only go down
+PENDING_RAW_PARAMS = {
+    "memtoc/agent/core.py:agent_params": 1,
+    "memtoc/analyses/summary.py:evaluation_summary": 1,
+    "memtoc/analyses/summary.py:run_dir_of": 1,
+    "memtoc/episodes.py:run_episodes": 1,
+    "memtoc/evaluation.py:ensure_memory": 1,
+    "memtoc/finetune/__init__.py:finetune_params": 1,
+    "memtoc/probes/core.py:probes_params": 1,
+    "memtoc/transfer/core.py:transfer_params": 1,
+}
+RAW_NAMES = {"P", "params"}
+_DICTLIKE = re.compile(r"\b(dict|Dict|Mapping|MutableMapping)\b")
+
+
+def _modules() -> list[tuple[str, ast.Module, int]]:
+    out = []
+    for f in sorted(PACKAGE.rglob("*.py")):
+        src = f.read_text(encoding="utf-8")
+        out.append((f.relative_to(ROOT).as_posix(), ast.parse(src), len(src.splitlines())))
+    return out
+
+
+def _under(rel: str, prefixes: tuple[str, ...]) -> bool:
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in prefixes)
+
+
+def _functions(tree: ast.Module):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def defaults_dicts(rel: str, tree: ast.Module) -> list[str]:
+    """``file:NAME`` of every assignment to a name ending in ``_DEFAULTS``."""
+    out = []
+    for n in ast.walk(tree):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        out += [f"{rel}:{t.id}" for t in targets if isinstance(t, ast.Name) and t.id.endswith("_DEFAULTS")]
+    return out
+
+
+def takes_raw_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Rule 2: a parameter named ``P``/``params`` unannotated or dict-annotated, or ``RunConfig | dict``."""
+    a = fn.args
+    for arg in a.posonlyargs + a.args + a.kwonlyargs:
+        ann = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+        if arg.arg in RAW_NAMES and (not ann or _DICTLIKE.search(ann)):
+            return True
+        if "RunConfig" in ann and _DICTLIKE.search(ann):
+            return True
+    return False
+
+
+def raw_params_functions(rel: str, tree: ast.Module) -> list[str]:
+    if not _under(rel, STAGE_MODULES):
+        return []
+    return [f"{rel}:{fn.name}" for fn in _functions(tree) if takes_raw_params(fn)]
+
+
+def long_functions(rel: str, tree: ast.Module) -> list[str]:
+    return [f"{rel}:{fn.name} ({fn.end_lineno - fn.lineno + 1} lines)" for fn in _functions(tree)
+            if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def house_violations() -> dict[str, list[str]]:
+    """Every violation of the five rules in the current tree (rule 3 from tests/test_runpaths.py)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_runpaths import scan       # the one run-directory scan (not repeated here)
+    out: dict[str, list[str]] = {"defaults": [], "raw_params": [], "run_dir_joins": [], "long_modules": [],
+                                 "long_functions": []}
+    for rel, tree, n_lines in _modules():
+        if not _under(rel, CONFIG_LAYER):
+            out["defaults"] += defaults_dicts(rel, tree)
+        out["raw_params"] += raw_params_functions(rel, tree)
+        out["long_functions"] += long_functions(rel, tree)
+        if n_lines > MAX_MODULE_LINES:
+            out["long_modules"].append(f"{rel} ({n_lines} lines)")
+    out["run_dir_joins"] = [f"{f} ({n})" for f, n in sorted(scan(ROOT).items())]
+    return out
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def modules():
+    return _modules()
+
+
+def test_no_defaults_dict_outside_the_config_layer(modules):
+    found = [d for rel, tree, _ in modules if not _under(rel, CONFIG_LAYER) for d in defaults_dicts(rel, tree)]
+    assert not found, f"defaults belong in the typed blocks (memtoc/blockconfig/): {found}"
+
+
+def test_no_stage_function_takes_the_raw_params_dict(modules):
+    found: dict[str, int] = {}
+    for rel, tree, _ in modules:
+        for name in raw_params_functions(rel, tree):
+            found[name] = found.get(name, 0) + 1
+    over = {k: n for k, n in found.items() if n > PENDING_RAW_PARAMS.get(k, 0)}
+    assert not over, f"take the typed RunConfig (memtoc.runconfig) or its block, not the params dict: {over}"
+    gone = sorted(k for k in PENDING_RAW_PARAMS if k not in found)
+    assert not gone, f"moved to the typed configuration: remove {gone} from PENDING_RAW_PARAMS"
+
+
+def test_no_module_over_the_size_limit(modules):
+    over = [f"{rel} ({n})" for rel, _, n in modules if n > MAX_MODULE_LINES]
+    assert not over, f"modules over {MAX_MODULE_LINES} lines: {over}"
+
+
+def test_no_function_over_the_size_limit(modules):
+    over = [f for rel, tree, _ in modules for f in long_functions(rel, tree)]
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines: {over}"
+
+
+@pytest.mark.parametrize("src, flagged", [
+    ("def run(P): pass", True),
+    ("def run(params: dict[str, Any]): pass", True),
+    ("def run(cfg: RunConfig | Mapping[str, Any]): pass", True),
+    ("def run(cfg: RunConfig): pass", False),
+    ("def __init__(self, P: int): pass", False),          # a P that is no params dict
+    ("def table(summary: dict[str, Any]): pass", False),  # a dict that is no params dict
+])
+def test_the_raw_params_rule_tells_a_params_dict_from_other_arguments(src, flagged):
+    assert takes_raw_params(ast.parse(src).body[0]) is flagged
+
+
+def test_the_config_layer_imports_at_the_top(modules):
+    """The blocks and ``config`` read their vocabularies from ``memtoc.vocab`` (no import inside a
+    function to break a cycle)."""
+    late = [f"{rel}:{fn.name}" for rel, tree, _ in modules if _under(rel, CONFIG_LAYER)
+            for fn in _functions(tree) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not late, f"imports inside functions: {late}"
+
+
+@pytest.mark.parametrize("first", ["memtoc.judgeconfig", "memtoc.config", "memtoc.blockconfig.transfer"])
+def test_each_config_module_imports_first_in_a_fresh_interpreter(first):
+    r = subprocess.run([sys.executable, "-c", f"import {first}"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr.strip().splitlines()[-1:]
+
+
+def test_the_agent_runtimes_vocabulary_is_the_runtime_registry():
+    """``vocab.AGENT_RUNTIMES`` (what ``agent.runtime`` accepts) names the classes of
+    ``memtoc.agent.runtime.RUNTIMES``, read from its source (importing it loads torch)."""
+    from memtoc.vocab import AGENT_RUNTIMES
+    tree = ast.parse((PACKAGE / "agent" / "runtime" / "__init__.py").read_text(encoding="utf-8"))
+    registry = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "RUNTIMES" for t in n.targets)]
+    assert len(registry) == 1 and isinstance(registry[0], ast.Dict)
+    assert tuple(k.value for k in registry[0].keys) == AGENT_RUNTIMES
+
+
+if __name__ == "__main__":
+    for rule, items in house_violations().items():
+        print(f"{rule}: {len(items)}")
+        for item in items:
+            print(f"  {item}")
