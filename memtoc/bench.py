@@ -141,22 +141,13 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     rate = matmul_rate(rate_dtype)
 
     gen.generate(prompts[:2])  # warm-up (allocator, kernels), not timed
-    loop_prompts = prompts[: (loop_n or n)]
     gen.batch_size = 1
     t0 = time.perf_counter()
-    loop = [gen.generate([p])[0] for p in loop_prompts]
+    loop = [gen.generate([p])[0] for p in prompts[: (loop_n or n)]]
     t_loop = time.perf_counter() - t0
 
     gen.batch_size = batch_size
-    stats0 = dict(gen.decode_stats)
-    batched, t_first = _timed(gen, prompts)
-    batch_times = [t_first]
-    differing_repeats = 0
-    decode_stats = {k: gen.decode_stats[k] - stats0[k] for k in stats0}
-    for _ in range(repeats - 1):  # a short run is at the mercy of a neighbour's burst: take the median
-        again, t = _timed(gen, prompts)
-        batch_times.append(t)
-        differing_repeats += sum(a.text != b.text for a, b in zip(again, batched))
+    batched, batch_times, differing_repeats, decode_stats = _time_batched(gen, prompts, repeats)
     t_batch = statistics.median(batch_times)
     # the rate measured before the timings can come out low (frequency ramp, a neighbour's load):
     # measure again after them and keep the best, so the bound (and bound_ratio) is not flattered
@@ -188,6 +179,36 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "prompt_tokens_computed_per_episode_batched": decode_stats["prompt_tokens_computed"] / n,
         "tie_margin": getattr(gen, "tie_margin", None), "matmul_rate_dtype": rate_dtype,
     }
+    out.update(_comparison_runs(gen, prompts, batched, t_batch, s_loop, bound, decode=decode,
+                                share_prefix=share_prefix, compare_share=compare_share,
+                                compare_decode=compare_decode, check_stop=check_stop))
+    gen.close()
+    return out
+
+
+def _time_batched(gen, prompts: list[str], repeats: int) -> tuple[list, list[float], int, dict[str, int]]:
+    """The batched run, ``repeats`` times (a short run is at the mercy of a neighbour's burst: the
+    caller takes the median): (the first run's replies, every run's seconds, replies of the later
+    runs that differ from the first, the first run's decode counters)."""
+    stats0 = dict(gen.decode_stats)
+    batched, t_first = _timed(gen, prompts)
+    decode_stats = {k: gen.decode_stats[k] - stats0[k] for k in stats0}
+    batch_times = [t_first]
+    differing = 0
+    for _ in range(repeats - 1):
+        again, t = _timed(gen, prompts)
+        batch_times.append(t)
+        differing += sum(a.text != b.text for a, b in zip(again, batched))
+    return batched, batch_times, differing, decode_stats
+
+
+def _comparison_runs(gen, prompts: list[str], batched: list, t_batch: float, s_loop: float, bound: float, *,
+                     decode: str, share_prefix: bool, compare_share: bool, compare_decode: bool,
+                     check_stop: bool) -> dict[str, Any]:
+    """The optional extra batched runs of :func:`bench_generation` (the other prefix setting, the
+    other decode loop, no FINAL-line stop) and how their replies compare with ``batched``."""
+    n = len(prompts)
+    out: dict[str, Any] = {}
     if compare_share and decode == "compact":
         alt, t_alt = _timed(gen, prompts, share_prefix=not share_prefix)
         tag = "no_share" if share_prefix else "share"
@@ -215,7 +236,6 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
             "final_stop_changed_extraction": sum(extract_final(a.text) != extract_final(b.text)
                                                  for a, b in zip(batched, full)),
         })
-    gen.close()
     return out
 
 

@@ -6,7 +6,7 @@ import zlib
 import pytest
 
 from memtoc import models
-from memtoc.backends import hf
+from memtoc.backends import compact, hf, stopping
 from memtoc.config import ConfigError
 
 
@@ -56,8 +56,9 @@ def test_compact_loop_matches_generate_on_a_tiny_model(tiny_model_dir, monkeypat
     # A random model never writes a FINAL line; make the stop rule fire pseudo-randomly instead, the
     # same way in both loops: every token is "a newline", and a reply is "done" when the crc of its
     # text hits 0 mod 9. Some tokens also count as EOS. Rows then end at many different steps.
-    monkeypatch.setattr(hf, "line_stop", lambda text, final, first: "final_line"
-                        if final and zlib.crc32(text.encode()) % 9 == 0 else None)
+    rule = lambda text, final, first: "final_line" if final and zlib.crc32(text.encode()) % 9 == 0 else None  # noqa: E731
+    for module in (compact, stopping):  # the compact loop's and generate's stop rule
+        monkeypatch.setattr(module, "line_stop", rule)
     gen.newline_ids = set(range(len(gen.tokenizer)))
     gen.eos_ids = gen.eos_ids | set(range(3, len(gen.tokenizer), 29))
     prompts = _prompts_with_shared_prefixes(16)
@@ -101,10 +102,10 @@ def test_compact_loop_matches_generate_on_the_embedded_model():
 
 
 def test_fill_holes_moves_only_the_rows_past_the_new_end():
-    assert hf._fill_holes([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]
-    assert hf._fill_holes([0, 1, 2]) == [0, 1, 2]
-    assert hf._fill_holes([4]) == [4]
-    assert hf._fill_holes([]) == []
+    assert compact.fill_holes([0, 2, 3, 5, 6]) == [0, 5, 2, 3, 6]
+    assert compact.fill_holes([0, 1, 2]) == [0, 1, 2]
+    assert compact.fill_holes([4]) == [4]
+    assert compact.fill_holes([]) == []
 
 
 @pytest.mark.parametrize("order", [[0, 5, 2, 3, 6], [1, 2, 4], [3, 0, 1]])
@@ -115,7 +116,7 @@ def test_compact_layer_matches_dynamic_layer(order):
     from transformers.cache_utils import DynamicLayer
     torch.manual_seed(0)
     B, H, P, D = 7, 2, 5, 4
-    layer, ref = hf._compact_layer_class()(P + 4), DynamicLayer()
+    layer, ref = compact.CompactLayer(P + 4), DynamicLayer()
     k, v = torch.randn(B, H, P, D), torch.randn(B, H, P, D)
     got, want = layer.update(k, v), ref.update(k, v)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
@@ -152,7 +153,9 @@ def test_default_cpu_dtype_is_float32_with_the_tie_break(tiny_model_dir):
     gen = _invariance_gen(tiny_model_dir)
     assert gen.torch_dtype == torch.float32 and gen.tie_margin == hf.FLOAT32_TIE_MARGIN
     assert gen.identity["decoding"]["dtype"] == "float32" and gen.identity["decoding"]["tie_margin"] > 0
-    assert _invariance_gen(tiny_model_dir, dtype="bfloat16").tie_margin == 0.0
+    bf16 = _invariance_gen(tiny_model_dir, dtype="bfloat16")      # CPU bf16: not invariant, no guard
+    assert not bf16.row_prefill and bf16.tie_margin == 0.0
+    assert "prefill" not in gen.identity["decoding"]                # float32 cache keys unchanged
     with pytest.raises(ConfigError, match="tie_margin"):
         _invariance_gen(tiny_model_dir, tie_margin=-1)
 
@@ -180,6 +183,21 @@ def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path):
     again = gen.generate(prompts, cache)
     assert sum(not r.cached for r in again) == 3
     assert _by_prompt(prompts, again) == want
+
+
+def test_bfloat16_row_prefill_is_the_canonical_forward(tiny_model_dir):
+    """The row prefill gives the canonical first logits: equal, bit for bit, to a batch-1 unpadded
+    forward of each prompt, where the padded batched prefill does not have to."""
+    import torch
+    prompts = _prompts_with_shared_prefixes(8)
+    gen = _invariance_gen(tiny_model_dir, dtype="bfloat16", tie_margin=0.0, row_prefill=True)
+    ids = gen.encode(prompts)
+    enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        _, logits = gen._prefill_rows(enc["input_ids"], enc["attention_mask"])
+        for r, x in enumerate(ids):
+            alone = gen.model(input_ids=torch.tensor([x]), use_cache=False, logits_to_keep=1).logits[0, -1]
+            assert torch.equal(logits[r], alone)
 
 
 def test_the_tie_break_decides_every_near_tie_canonically(tiny_model_dir):
@@ -249,3 +267,5 @@ def test_real_model_replies_do_not_depend_on_the_batch():
     assert _by_prompt(prompts[::-1], gen.generate(prompts[::-1])) == want
     gen.batch_size = 1
     assert _by_prompt(prompts[2:4], gen.generate(prompts[2:4])) == {p: want[p] for p in prompts[2:4]}
+
+
