@@ -18,7 +18,9 @@ COMMANDS = {
     "score": ("memtoc.scoring", "re-score replies offline: memtoc score IN.jsonl [-o OUT] [--matcher paper|strict]"),
     "model": ("memtoc.models", "model registry: memtoc model prepare NAME | memtoc model list"),
     "bench": ("memtoc.bench", "speed benchmarks: memtoc bench generation|stats [--json]"),
-    "gpucheck": ("memtoc.gpucheck", "check the transformers path on this GPU (tiny random models + an 8B DPO step): memtoc gpucheck [--tiny]"),
+    "gpucheck": ("memtoc.gpucheck", "check the transformers path on this GPU (tiny random models + an 8B DPO step): memtoc gpucheck [--tiny]; "
+                                    "which GPU lock fits: memtoc gpucheck --env"),
+    "merge": ("memtoc.merge", "one run from runs that each ran some models (one per GPU): memtoc merge OUT RUN_A RUN_B ..."),
     "verify": ("memtoc.verifycmd", "re-derive every claim of a run: memtoc verify RUN_DIR"),
     "transfer": ("memtoc.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
     "init": ("memtoc.initcmd", "make a project folder (notebooks, params, paper) for an installed memtoc: memtoc init DIR"),

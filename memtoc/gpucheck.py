@@ -24,6 +24,7 @@ a tiny Llama config), reporting the peak GPU memory and seconds per step.
 
     memtoc gpucheck                 # on a GPU: ~8 min on one A100/H100-class GPU (most of it the 8B step)
     memtoc gpucheck --tiny --device cpu   # the test suite's run: tiny sizes, under a minute on a CPU
+    memtoc gpucheck --env           # which GPU lock fits this machine's NVIDIA driver (no GPU needed)
 
 Exit status 0 when every case passed (skips allowed), 1 otherwise, 2 when there is no CUDA GPU to check
 (without ``--device cpu``: a CPU fallback would pass and prove nothing about the GPU); ``--json FILE``
@@ -45,8 +46,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import finetune, models
-from .gpuenv import cuda_facts
+from .gpuenv import choose_lock, cuda_facts, driver_version
 from .gpuquick import run_quick
+from .runconfig import RunConfig
 
 WORDS = ("the tool returned a value for the question about the river city author year population "
          "capital country founded born wrote album film company bridge mountain answer final memory "
@@ -212,7 +214,7 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
     else:
         cfg = LlamaConfig(**LLAMA_8B)
-    ft = finetune.finetune_params({"seed": 0, "formulations": ["reference"], "finetune": {"max_steps": steps}})
+    ft = RunConfig.of({"seed": 0, "formulations": ["reference"], "finetune": {"max_steps": steps}}).finetune
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
     cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     cfg._attn_implementation = models.attention_implementation(cfg, "auto", device, training=True)
@@ -329,6 +331,19 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def print_env(driver: Optional[str] = None, log: Callable[[str], Any] = print) -> int:
+    """``memtoc gpucheck --env``: Python, torch and its CUDA build, the NVIDIA driver, and the lock
+    that fits (``gpuenv.choose_lock``); always exits 0."""
+    import torch
+
+    driver = driver if driver is not None else driver_version()
+    choice = choose_lock(driver, torch.version.cuda)
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}), "
+        f"NVIDIA driver: {driver or 'none'}")
+    log(f"lock: {choice.lock or 'no GPU lock'}: {choice.reason}")
+    return 0
+
+
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="memtoc gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda (default), cuda:1, or cpu to check the CPU path")
@@ -342,7 +357,11 @@ def cli(argv: list[str]) -> int:
                     "whole pipeline at a tiny size with the embedded model (memtoc/gpuquick.py)")
     ap.add_argument("--quick", action="store_true", help="with --plan: every enabled stage, 2 questions, minutes")
     ap.add_argument("--keep", default=None, help="with --quick: the output folder (default: a temporary one)")
+    ap.add_argument("--env", action="store_true", help="say which GPU lock fits this machine's NVIDIA driver, "
+                    "and nothing else (no GPU needed)")
     a = ap.parse_args(argv)
+    if a.env:
+        return print_env()
     if a.quick or a.plan:
         if not (a.quick and a.plan):
             ap.error("--plan and --quick go together: memtoc gpucheck --plan params/paper.yaml --quick")

@@ -5,13 +5,16 @@ agent runtime on vLLM or CUDA, a transformers backend told ``device: cuda``); ``
 describes the machine (torch's CUDA build, whether a device answers, its name and free memory);
 ``check_gpu(params, source)`` raises one ``ConfigError`` line when a stage needs a GPU the machine
 does not have. ``memtoc run`` calls it before the first notebook, ``memtoc gpucheck`` before any
-check (unless ``--device cpu``).
+check (unless ``--device cpu``). ``choose_lock(driver, torch_cuda)`` says which GPU lock
+(``requirements/gpu.lock``: CUDA 13; ``requirements/gpu-cu12.lock``: CUDA 12) fits a machine's NVIDIA
+driver (``driver_version()`` asks ``nvidia-smi``); ``memtoc gpucheck --env`` prints it.
 """
 from __future__ import annotations
 
 import gc
+import subprocess
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .config import ConfigError
 
@@ -84,6 +87,66 @@ def check_gpu(params: dict[str, Any], source: str = "<params>", facts: Optional[
         raise ConfigError(f"{source}: {', '.join(needs)} needs GPU memory, but only {facts.free_gib:.1f} GiB of "
                           f"{facts.name} is free; stop the process that holds it (nvidia-smi lists it)")
     return facts
+
+
+#: the oldest NVIDIA driver each lock's torch runs on: CUDA 13.0 needs 580; CUDA 12.x builds run on
+#: 525 and newer (CUDA's minor-version compatibility; NVIDIA recommends 570+ for CUDA 12.8)
+CUDA13_DRIVER = 580
+CUDA12_DRIVER = 525
+GPU_LOCK = "requirements/gpu.lock"           # vLLM 0.33, torch 2.14.0 (CUDA 13)
+GPU_CU12_LOCK = "requirements/gpu-cu12.lock"  # vLLM 0.19.1, torch 2.10.0 (CUDA 12.8): Colab
+
+
+@dataclass(frozen=True)
+class LockChoice:
+    """The GPU lock that fits a machine (``lock`` None: none does) and why, in one line."""
+
+    lock: Optional[str]
+    reason: str
+
+
+def driver_version(run: Callable[..., Any] = subprocess.run) -> Optional[str]:
+    """The NVIDIA driver version ``nvidia-smi`` reports (first GPU), or None without one."""
+    try:
+        r = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = (r.stdout or "").split() if r.returncode == 0 else []
+    return lines[0] if lines else None
+
+
+def _major(version: Optional[str]) -> Optional[int]:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def choose_lock(driver: Optional[str], torch_cuda: Optional[str] = None) -> LockChoice:
+    """Which GPU lock applies for NVIDIA driver ``driver`` (None: no NVIDIA GPU); ``torch_cuda`` (the
+    installed torch's ``torch.version.cuda``) adds a warning when that build cannot run on the driver."""
+    major = _major(driver)
+    if driver is None:
+        return LockChoice(None, "no NVIDIA driver (nvidia-smi not found): no GPU lock applies; "
+                                "install requirements/cpu.lock (the CPU path)")
+    if major is None:
+        return LockChoice(None, f"nvidia-smi reports driver {driver!r}, not a version: no GPU lock chosen; "
+                                "check `nvidia-smi`")
+    if major >= CUDA13_DRIVER:
+        choice = LockChoice(GPU_LOCK, f"driver {driver} runs CUDA 13: {GPU_LOCK} (vLLM 0.33, torch 2.14.0); "
+                                      f"{GPU_CU12_LOCK} also runs on it")
+    elif major >= CUDA12_DRIVER:
+        choice = LockChoice(GPU_CU12_LOCK, f"driver {driver} runs CUDA 12, not 13 (needs {CUDA13_DRIVER}+): "
+                                           f"{GPU_CU12_LOCK} (vLLM 0.19.1, torch 2.10.0 for CUDA 12.8)")
+    else:
+        return LockChoice(None, f"driver {driver} is older than {CUDA12_DRIVER}, the oldest that runs CUDA 12: "
+                                "no GPU lock applies; update the NVIDIA driver")
+    torch_major = _major(torch_cuda) if torch_cuda else None
+    if torch_major is not None and torch_major >= 13 and major < CUDA13_DRIVER:
+        choice = LockChoice(choice.lock, choice.reason + f"; the installed torch is built for CUDA {torch_cuda}, "
+                            f"which this driver cannot run: reinstall from {choice.lock}")
+    return choice
 
 
 def release_memory(device: Optional[str]) -> None:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 import types
 
 import pytest
+from packaging.requirements import Requirement
 
-from memtoc import colab
+from memtoc import colab, lock
 from memtoc.config import REPO_ROOT
 
 
@@ -53,7 +55,7 @@ def test_setup_on_a_mocked_colab(monkeypatch):
         monkeypatch.setenv(k, "unset")   # recorded, so the values setup() writes are undone after the test
     ran, logins, said = [], [], []
     lay = colab.setup(run=ran.append, get_secret=lambda k: "hf_secret", drive_mounted=True, login=logins.append,
-                      log=said.append)
+                      log=said.append, driver=None)     # a CPU runtime: the CPU lock on Colab's torch
     pip, init, fetch = ran
     assert pip[1:5] == ["-m", "pip", "install", "-q"] and "--no-deps" in pip
     assert not any(p.startswith(("torch==", "ipykernel==", "trl==")) for p in pip)
@@ -61,6 +63,45 @@ def test_setup_on_a_mocked_colab(monkeypatch):
     assert logins == ["hf_secret"] and lay.on_drive
     import os
     assert os.environ["MEMTOC_HOME"] == "/content/drive/MyDrive/memtoc"
+
+
+@pytest.mark.parametrize("driver, lock, keep_torch", [
+    (None, "requirements/cpu.lock", True),               # a CPU runtime
+    ("550.54.15", "requirements/gpu-cu12.lock", False),  # Colab's CUDA 12 driver
+    ("580.82.07", "requirements/gpu.lock", False),       # a CUDA 13 driver
+])
+def test_colab_picks_the_lock_for_its_driver(driver, lock, keep_torch):
+    name, keep, why = colab.colab_lock(driver)
+    assert (name, keep) == (lock, keep_torch) and why and (REPO_ROOT / name).is_file()
+
+
+def test_setup_on_a_mocked_colab_gpu_installs_the_cuda12_lock_with_its_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"torch": "2.11.0+cu128", "ipykernel": "6.17.1"})
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")
+    ran, said = [], []
+    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver="550.54.15")
+    pip = ran[0]
+    assert "torch==2.10.0" in pip and "vllm==0.19.1" in pip and "nvidia-cublas-cu12==12.8.4.1" in pip
+    assert not any(p.startswith(("ipykernel==", "jupyter-client==", "tornado==")) for p in pip)
+    assert any("gpu-cu12.lock" in s for s in said) and any("restart the session" in s for s in said)
+
+
+def test_the_cuda12_lock_is_a_cuda12_build():
+    pins = (REPO_ROOT / "requirements" / "gpu-cu12.lock").read_text()
+    assert "torch==2.10.0" in pins and "vllm==0.19.1" in pins
+    assert "-cu12==" in pins and "-cu13==" not in pins and "nvidia-cublas==" not in pins
+
+
+
+def test_the_cuda12_lock_pins_inside_pyproject_ranges():
+    pins = lock.read_lock(REPO_ROOT / "requirements" / "gpu-cu12.lock")
+    proj = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(x) for x in proj["dependencies"] + proj["optional-dependencies"]["gpu"]]
+    for r in reqs:
+        name = lock.canonical(r.name)
+        assert name in pins and r.specifier.contains(pins[name]), f"gpu-cu12.lock {name} outside {r}"
 
 
 def test_the_setup_notebook_installs_only_on_colab():

@@ -4,7 +4,7 @@ import weakref
 
 import pytest
 
-from memtoc import cli, gpuenv, models
+from memtoc import cli, gpucheck, gpuenv, models
 from memtoc.backends import base, hf
 from memtoc.config import ConfigError
 from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
@@ -106,3 +106,51 @@ def test_quick_plan_check_needs_a_gpu(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert rc == 2 and "needs a CUDA GPU" in err and "gpucheck --quick" in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("driver, torch_cuda, lock, words", [
+    (None, None, None, "no GPU lock applies"),
+    ("470.256.02", "12.8", None, "older than 525"),
+    ("535.104.05", None, gpuenv.GPU_CU12_LOCK, "CUDA 12"),          # a Colab-like driver
+    ("575.57.08", "13.0", gpuenv.GPU_CU12_LOCK, "cannot run: reinstall from requirements/gpu-cu12.lock"),
+    ("580.65.06", "13.0", gpuenv.GPU_LOCK, "CUDA 13"),
+    ("590.10", "12.8", gpuenv.GPU_LOCK, "also runs on it"),
+    ("N/A", None, None, "not a version"),
+])
+def test_the_lock_follows_the_driver(driver, torch_cuda, lock, words):
+    choice = gpuenv.choose_lock(driver, torch_cuda)
+    assert choice.lock == lock and words in choice.reason and "\n" not in choice.reason
+
+
+def test_a_cu12_driver_with_a_cu12_torch_gets_no_warning():
+    assert "cannot run" not in gpuenv.choose_lock("550.54.15", "12.8").reason
+
+
+class _Done:
+    def __init__(self, rc, out):
+        self.returncode, self.stdout = rc, out
+
+
+def test_driver_version_reads_nvidia_smi_and_tolerates_its_absence():
+    seen = []
+
+    def smi(cmd, **kw):
+        seen.append(cmd)
+        return _Done(0, "550.54.15\n550.54.15\n")
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    assert gpuenv.driver_version(smi) == "550.54.15" and seen[0][0] == "nvidia-smi"
+    assert gpuenv.driver_version(missing) is None
+    assert gpuenv.driver_version(lambda cmd, **kw: _Done(9, "NVIDIA-SMI has failed")) is None
+
+
+def test_gpucheck_env_names_the_lock_and_needs_no_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(gpucheck, "driver_version", lambda: "535.104.05")
+    assert cli.main(["gpucheck", "--env"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA driver: 535.104.05" in out and "lock: requirements/gpu-cu12.lock" in out
+    monkeypatch.setattr(gpucheck, "driver_version", lambda: None)
+    assert cli.main(["gpucheck", "--env"]) == 0
+    assert "lock: no GPU lock" in capsys.readouterr().out
