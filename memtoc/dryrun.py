@@ -41,7 +41,7 @@ from .gpuenv import gpu_needs
 from .pipeline import plan, preflight, resolve_paths
 from .runconfig import RunConfig
 from .transfer import core as transfer
-from .transfer.data import load_items
+from .transfer import source as transfer_source
 
 BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "auto": 2.0, "float32": 4.0, "awq": 0.5625}
 GEN_TOKENS_PER_S_8B_BF16 = {"vllm": 2500.0, "transformers": 600.0}   # one A100-80GB, batched (assumed)
@@ -121,8 +121,16 @@ def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapter
     the untreated model and the reverse adapter, the reverse adapter's own closed-book prompts, and
     its DPO training examples and steps."""
     tr = transfer.transfer_params(P)
-    cf, un = transfer.select_items(load_items(tr["dataset"])[0], tr)
-    episodes = len(transfer.build_episodes(cf, un, tr["formulations"], tr["frames"]))
+    card = transfer_source.planned_counts(tr["dataset"])
+    if card is None:
+        cf, un = transfer.select_items(transfer_source.load(tr["dataset"])[0], tr)
+        episodes = len(transfer.build_episodes(cf, un, tr["formulations"], tr["frames"]))
+        n_ex = len(transfer.reverse_examples(cf, tr["reverse_train_formulations"], tr["frames"]))
+    else:       # the hub set before its import: the dataset cards' sizes, an upper bound
+        episodes = transfer_source.planned_episodes(card, tr["n_counterfactual"], tr["n_unanswerable"],
+                                                    tr["formulations"], tr["frames"])[0]
+        n_ex = transfer_source.planned_episodes(card, tr["n_counterfactual"], tr["n_unanswerable"],
+                                                tr["reverse_train_formulations"], tr["frames"])[1]
     arms = len(tr["extra_adapters"])
     if model in ft["models"] and (adapters_of_04 or tr["adapters_from"]):
         arms += len(tr["forward_objectives"]) * len(tr["forward_folds"])
@@ -132,7 +140,6 @@ def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapter
         cfg = RunConfig.of(P)
         n_forms = len(cfg.formulations)
         n_q = min(tr["reverse_eval_questions"], cfg.n_questions)
-        n_ex = len(transfer.reverse_examples(cf, tr["reverse_train_formulations"], tr["frames"]))
         steps = tr["reverse_max_steps"]
         out.update(reverse_with_tool=2 * n_q * n_forms * len(ft["eval_conditions"]),
                    reverse_closed_book=n_q * n_forms, reverse_examples=n_ex,
@@ -341,11 +348,14 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
 def estimate_transfer(ctx: Context, step) -> StagePlan:
     p, ft = ctx.params, ctx.ft
     tr = transfer.transfer_params(p)
-    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"], data=str(tr["dataset"]))
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
+                     data=transfer_source.describe(tr["dataset"]))
     plan.lines.append(f"  {step.name:<18} requests per model: the transfer episodes for the untreated model and each "
                       "forward adapter" + ("; the MemToC held-out episodes for the untreated model and the reverse "
                                            "adapter, and the reverse adapter's own closed-book" if tr["reverse"] else "")
-                      + f" (data: {tr['dataset']})")
+                      + f" (data: {plan.data}"
+                      + ("; before the import, counts from the dataset cards: an upper bound)"
+                         if transfer_source.planned_counts(tr["dataset"]) else ")"))
     rows = []
     for spec in ctx.specs:
         tq = transfer_requests(p, ft, spec.name, ctx.ft_on)
@@ -359,14 +369,25 @@ def estimate_transfer(ctx: Context, step) -> StagePlan:
     return _per_model(plan, ctx, rows)
 
 
+def _agent_questions(a) -> str:
+    """Which questions 07 replays (the agent block's ``n_questions`` / ``memory_right_questions``)."""
+    if a["n_questions"] == 0:
+        return (f"questions: the memory-right slice only (up to {a['memory_right_questions']} per model whose "
+                "closed-book answer is correct; Table 7's set)")
+    extra = (f" plus up to {a['memory_right_questions']} memory-right questions per model"
+             if a["memory_right_questions"] else "")
+    return f"questions: the first {a['n_questions']} of the run's selection{extra}"
+
+
 def estimate_agent(ctx: Context, step) -> StagePlan:
-    a = agent_core.agent_params(ctx.params)
+    a = RunConfig.of(ctx.params).agent
     device = "server" if a["runtime"] == "openai" else ctx.device
     plan = StagePlan(step.name, True, device=device, backend=a["runtime"],
                      data=f"{'/'.join(a['conditions'])} returns, slices {list(a['slices'])}")
     plan.lines.append(f"  {step.name:<18} agent episodes per model (questions x formulations x schema variants x "
                       f"{len(a['protocols'])} protocols), model requests at most; runtime {a['runtime']}, "
-                      f"{a['max_tokens_per_call']} tokens per call; returns: {', '.join(a['conditions'])} "
+                      f"{a['max_tokens_per_call']} tokens per call; {_agent_questions(a)}; "
+                      f"returns: {', '.join(a['conditions'])} "
                       f"(the first reported), plus {len(a['adapters'])} adapter arm(s)"
                       + (f" and {len(a['sampling']['seeds'])} sampling seed(s)" if a["sampling"] else ""))
     rows = []
@@ -381,7 +402,7 @@ def estimate_agent(ctx: Context, step) -> StagePlan:
 
 
 def _context(params: dict[str, Any], steps, facts) -> Context:
-    episodes = run_episodes(facts["bench"], dict(params))
+    episodes = run_episodes(facts["bench"], RunConfig.of(params))
     n_forms = len(params["formulations"])
     variants = 2 if params["elicit_permissive"] else 1
     specs = []

@@ -23,6 +23,7 @@ from memtoc import cache, claims, cli, evaluation, nb, pipeline, progress, runlo
 from memtoc.backends.base import Generator, LazyGenerator, Reply
 from memtoc.benchmark import load_benchmark
 from memtoc.config import DEFAULTS, REPO_ROOT, ConfigError, DataError, load_params, resolve_release_dir
+from memtoc.runconfig import RunConfig
 
 SMOKE = str(REPO_ROOT / "params" / "smoke.yaml")
 RELEASE = resolve_release_dir(None)
@@ -502,7 +503,7 @@ def test_dry_run_prints_the_plans_without_weights(capsys):
 def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     from memtoc import dryrun, finetune
     P = load_params(REPO_ROOT / "params" / "paper.yaml")
-    ft = finetune.finetune_params(P)
+    ft = RunConfig.of(P).finetune
     assert "llama-3.1-8b" in P["models"] and "llama-3.1-8b" not in ft["models"]    # the base model is not tuned
     bench = load_benchmark(P.get("release_dir"))
     fr = dryrun.finetune_requests(P, ft, bench)
@@ -516,7 +517,10 @@ def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     base = dryrun.transfer_requests(P, ft, "llama-3.1-8b", adapters_of_04=True)
     assert tuned["forward_arms"] == 2 and base["forward_arms"] == 0        # sft, dpo x fold 0 of 04
     assert tuned["forward"] == 3 * tuned["episodes"] and base["forward"] == base["episodes"]
-    assert tuned["reverse_closed_book"] == 8 * n_forms and tuned["reverse_steps"] == 2
+    tr = RunConfig.of(P).transfer
+    assert tuned["reverse_closed_book"] == min(tr.reverse_eval_questions, P["n_questions"]) * n_forms
+    assert tuned["reverse_steps"] == (tr.reverse_max_steps if tr.reverse_max_steps > 0
+                                      else -(-tuned["reverse_examples"] // tr.reverse_batch_size))
     assert tuned["total"] == tuned["forward"] + tuned["reverse_with_tool"] + tuned["reverse_closed_book"]
     assert cli.main(["run", str(REPO_ROOT / "params" / "paper.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -201,3 +201,45 @@ def test_choices_without_label_field_is_a_clear_error(tmp_path):
     with pytest.raises(TransferDataError, match=r"allenai/ai2_arc \(config ARC-Challenge, split train\): column "
                                                 r"'choices' has no field 'label'"):
         hub.import_hub(tmp_path / "x.jsonl", hub.dir_loader(src, str(tmp_path / "cache")))
+
+
+# --------------------------------------------------------------------------------------------------
+# transfer.dataset: hub — imported once into the transfer cache, then reused (memtoc.transfer.source)
+
+def test_hub_dataset_is_imported_once_then_reused(tmp_path, monkeypatch):
+    from memtoc.transfer import source
+    monkeypatch.setenv("MEMTOC_TRANSFER_DIR", str(tmp_path / "cache"))
+    src = write_fixture(tmp_path / "hubdir")
+    assert source.planned_counts("hub") == source.CARD_ROWS          # before the import: the cards' sizes
+    items, info = source.load("hub", loader=hub.dir_loader(src), progress=False)
+    assert source.hub_file().is_file() and info["dataset"] == "hub" and not info["plumbing"]
+    assert info["import"]["counts"] and info["import"]["datasets"]      # the provenance travels with the set
+    assert {i.kind for i in items} == {"counterfactual", "unanswerable"}
+
+    def refuse(_src):
+        raise AssertionError("a second load must not import again")
+    again, info2 = source.load("hub", loader=refuse, progress=False)
+    assert [i.id for i in again] == [i.id for i in items] and info2["sha256"] == info["sha256"]
+    assert source.planned_counts("hub") is None                       # after it: the real file is counted
+
+
+def test_planned_episodes_match_build_episodes(tmp_path, monkeypatch):
+    from memtoc.transfer import core, source
+    monkeypatch.setenv("MEMTOC_TRANSFER_DIR", str(tmp_path / "cache"))
+    items, _ = source.load("hub", loader=hub.dir_loader(write_fixture(tmp_path / "hubdir")), progress=False)
+    cf = [i for i in items if i.kind == "counterfactual"]
+    un = [i for i in items if i.kind == "unanswerable"]
+    counts = {"counterfactual": len(cf), "unanswerable": len(un)}
+    for forms, n_cf, n_un in ((["reference"], None, None), (["reference", "paraphrase_a"], 2, 1)):
+        cut_cf, cut_un = cf[:n_cf] if n_cf else cf, un[:n_un] if n_un else un
+        want = (len(core.build_episodes(cut_cf, cut_un, forms, ("value", "passage"))),
+                len(core.reverse_examples(cut_cf, forms, ("value", "passage"))))
+        assert source.planned_episodes(counts, n_cf, n_un, forms, ("value", "passage")) == want
+
+
+def test_paper_params_run_06_on_the_hub_set():
+    from memtoc.runconfig import RunConfig
+    from memtoc.config import REPO_ROOT, load_params
+    cfg = RunConfig.of(load_params(REPO_ROOT / "params" / "paper.yaml"))
+    assert cfg.transfer.dataset == "hub" and cfg.transfer.n_boot == 2000
+    assert {"llama-3.1-8b-instruct", "gemma-2-9b-it"} <= set(cfg.transfer.models)     # Table 6's models

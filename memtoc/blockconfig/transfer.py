@@ -17,7 +17,8 @@ class TransferConfig(Block):
     BLOCK = "transfer"
 
     enabled: bool = True
-    dataset: str = BUILTIN                     # "builtin" (the plumbing set) or a path to a validated JSONL
+    dataset: str = BUILTIN                     # "builtin" (the plumbing set), "hub" (FaithEval x ARC-Challenge,
+                                               # imported once; the paper's set) or a validated JSONL
     n_counterfactual: Optional[int] = None     # first n counterfactual items (None: all)
     n_unanswerable: Optional[int] = None       # first n unanswerable items (None: all)
     verified_only: bool = False                # keep only rows with verified: true (the paper's human-verified pools)
@@ -36,6 +37,7 @@ class TransferConfig(Block):
     reverse_train_formulations: tuple[str, ...] = ("reference",)
     reverse_eval_questions: int = 8            # MemToC analysis questions the reverse adapter is scored on
     closed_book_band: float = CLOSED_BOOK_BAND
+    n_boot: Optional[int] = None               # None: the run's n_boot (Table 6: a paired bootstrap, B = 2,000)
     unmatched_gap: float = UNMATCHED_GAP
 
     @classmethod
@@ -43,11 +45,17 @@ class TransferConfig(Block):
               finetune_models: Sequence[str] = (), **context: Any) -> None:
         """``finetune_models``: notebook 04's models, the default of ``models``."""
         if not isinstance(t["dataset"], str) or not t["dataset"]:
-            fail("dataset", "must be 'builtin' or the path of a JSONL file (check it with `memtoc transfer validate`)")
+            fail("dataset", "must be 'builtin', 'hub' or the path of a JSONL file (check it with "
+                        "`memtoc transfer validate`)")
         for key in ("n_counterfactual", "n_unanswerable"):
             v = t[key]
             if v is not None and (not is_int(v) or v < 0):
                 fail(key, f"must be null (all) or a non-negative integer, got {v!r}")
+        nb = t["n_boot"]
+        if nb is None:
+            t["n_boot"] = int(run["n_boot"])
+        elif not is_int(nb) or nb < 1:
+            fail("n_boot", f"must be null (the run's n_boot) or a positive integer, got {nb!r}")
         _selection(t, run, finetune_models, fail)
         _forward(t, fail)
         _reverse(t, fail)

@@ -67,7 +67,8 @@ from ..io import atomic_write_text
 from ..runconfig import RunConfig, RunPaths
 from ..scoring import canon
 from ..selection import run_selection
-from .data import POOLS, TransferItem, load_items
+from .data import POOLS, TransferItem
+from .source import load as load_dataset
 from .matcher import ABSTAIN, match_choice
 
 SCHEMA_VERSION = 1
@@ -367,7 +368,7 @@ def run(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     tr = cfg.transfer
     timing: dict[str, float] = {}
     t0 = time.time()
-    items, info = load_items(tr.dataset)
+    items, info = load_dataset(tr.dataset, progress=progress)
     cf, un = select_items(items, tr)
     if not cf:
         raise TransferError(f"no counterfactual items on the frames' common support in {info['path']} "
@@ -379,7 +380,7 @@ def run(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
                 "ARC-Challenge: a different model and different data.")
     summary: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION, "run_name": cfg.run_name, "dataset": info, "caveat": caveat,
-        "config": tr.to_dict(), "n_boot": cfg.n_boot, "n_perm": cfg.n_perm, "alpha": cfg.alpha,
+        "config": tr.to_dict(), "n_boot": tr.n_boot, "n_perm": cfg.n_perm, "alpha": cfg.alpha,
         "metrics": {m: METRIC_DOC[m] for m in active_metrics(tr.frames)},
         "reverse_metrics": definitions(finetune.METRICS),
         "models": {}, "published": published_transfer(cfg.release_dir), "timing": timing,
@@ -415,7 +416,7 @@ def run_model(cfg: RunConfig, model: str, episodes, cf, un, bench, timing: dict[
     _write(cfg.paths.transfer_scored(model, "untreated"), base)
     ms["support"] = {"n_items": len(cf), "n_unanswerable": len(un),
                      "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
-    rates_b = arm_rates(base, mem, forms, frames, cfg.n_boot, 0, cfg.alpha)
+    rates_b = arm_rates(base, mem, forms, frames, cfg.transfer.n_boot, 0, cfg.alpha)
     ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
     # 2. forward: notebook 04's adapters
     adapter_root = Path(tr.adapters_from) if tr.adapters_from else run_dir
@@ -453,8 +454,8 @@ def forward_arm(cfg: RunConfig, model: str, arm: str, path: Path, episodes, mem:
     finally:
         finetune.close_generator(agen)
     _write(cfg.paths.transfer_scored(model, arm), treated)
-    rates_t = arm_rates(treated, mem, tr.formulations, tr.frames, cfg.n_boot, 0, cfg.alpha)
-    deltas = arm_deltas(treated, base, mem, tr.formulations, tr.frames, arm, cfg.n_boot, cfg.n_perm, 0)
+    rates_t = arm_rates(treated, mem, tr.formulations, tr.frames, cfg.transfer.n_boot, 0, cfg.alpha)
+    deltas = arm_deltas(treated, base, mem, tr.formulations, tr.frames, arm, cfg.transfer.n_boot, cfg.n_perm, 0)
     return {"rates": rates_t, "adapter": str(path)}, {
         "adapter": str(path), "deltas": deltas,
         "closed_book_band": band_check(deltas["closed_book_acc"]["pooled"]["delta"], tr.closed_book_band),
@@ -502,7 +503,7 @@ def reverse(cfg: RunConfig, cf_items, bench, model, r_questions, r_eps, memory, 
     forms = [f for f in FORMULATIONS if any(e.formulation == f for e in r_eps)]
     treated, own = finetune.evaluate_adapter(model, path, f"{model}__{REVERSE_OBJECTIVE}", r_questions, r_eps, forms,
                                              run_dir, gen_kw, cfg.closed_book_variant, cfg.matcher)
-    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=cfg.n_boot, n_perm=cfg.n_perm,
+    res = finetune.paired_deltas(treated, r_base, forms, finetune.METRICS, n_boot=cfg.transfer.n_boot, n_perm=cfg.n_perm,
                                  seed=0, alpha=cfg.alpha)
     res["closed_book"] = finetune.closed_book_counts(own, memory)
     return {"adapter": str(path), "leak_check": leak, "n_examples": len(examples),
