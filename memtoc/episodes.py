@@ -170,14 +170,14 @@ def read_episodes(path) -> list[Episode]:
     return out
 
 
-def run_episodes(benchmark, P: dict) -> list[Episode]:
+def run_episodes(benchmark, cfg: RunConfig) -> list[Episode]:
     """The episodes of a run (used by notebooks 01 and 03).
 
-    Headline: the run's headline questions (``selection.run_selection(P, benchmark).headline``, the
-    first ``P["n_questions"]`` of the stratified selection) with CORE_CONDITIONS, for every
-    formulation in ``P["formulations"]``. Extra arms, on the first ``P["n_questions_extra"]`` of the
+    Headline: the run's headline questions (``selection.run_selection(cfg, benchmark).headline``, the
+    first ``cfg.n_questions`` of the stratified selection) with CORE_CONDITIONS, for every
+    formulation in ``cfg.formulations``. Extra arms, on the first ``cfg.n_questions_extra`` of the
     same selection (``.extra``, so they are a subset of the headline questions), as listed in
-    ``P["extra_arms"]`` (each adds the episodes of its ``vocab.EXTRA_ARM_SPECS`` entry, in that order):
+    ``cfg.extra_arms`` (each adds the episodes of its ``vocab.EXTRA_ARM_SPECS`` entry, in that order):
 
     * ``far``: tool_far (schema frame, untreated) where a far value exists;
     * ``payloads``: tool_error with the ``timeout`` and ``permission_denied`` payloads;
@@ -190,7 +190,6 @@ def run_episodes(benchmark, P: dict) -> list[Episode]:
     ``n_questions_extra <= n_questions``), so every extra arm has its untreated baseline.
     Episodes are deduplicated by id (first kept), in a stable order.
     """
-    cfg = RunConfig.of(P)
     forms = list(cfg.formulations)
     sel = run_selection(cfg, benchmark)
     head, extra = sel.headline, sel.extra

@@ -221,15 +221,15 @@ def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
 # notebook helpers (thin glue; I/O at the edge)
 
 
-def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode], P) -> pd.DataFrame:
+def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode],
+                  cfg: RunConfig) -> pd.DataFrame:
     """The closed-book memory frame covering every (formulation, qkey) of ``episodes``.
 
     Reads what notebook 02 wrote (``elicitation.load_memory``); if it is missing or does not cover
     the episodes, runs the elicitation for the episodes' questions (served from the generation
-    cache where 02 already generated them). ``P``: the run's RunConfig (or its parameter dict); variant:
-    ``closed_book_variant``.
+    cache where 02 already generated them). ``cfg``: the run's configuration; variant:
+    ``cfg.closed_book_variant``.
     """
-    cfg = RunConfig.of(P)
     variant = cfg.closed_book_variant
     need = {(e.formulation, e.qkey) for e in episodes}
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .config import REPO_ROOT, MemtocError
+from .runconfig import RunPaths
 
 LOCK_DIR = REPO_ROOT / "requirements"
 LOCK_FILES = ("cpu.lock", "gpu.lock")
@@ -79,7 +80,7 @@ def version_differences(packages: dict[str, Optional[str]], lock: dict[str, str]
 
 def run_packages(run_dir: str | Path) -> dict[str, Optional[str]]:
     """The package versions a run recorded (``config.json`` → ``provenance.packages``)."""
-    cfg = Path(run_dir) / "config.json"
+    cfg = RunPaths(run_dir).config_json
     try:
         doc: Any = json.loads(cfg.read_text())
     except FileNotFoundError:

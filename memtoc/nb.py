@@ -49,7 +49,7 @@ from papermill.cli import papermill as pm_command
 from . import pipeline, progress, runlock
 from .config import DEFAULTS, REPO_ROOT, ConfigError, _merge, load_params, run_dir, validate_params
 from .io import atomic_write_text, plain, write_json
-from .runconfig import RunConfig
+from .runconfig import RunConfig, RunPaths
 
 INTERACTIVE_PARAMS = "params/smoke.yaml"   # a notebook run by hand, nothing injected
 NESTED_SEP = "__"                          # finetune__max_steps = 1  ->  finetune: {max_steps: 1}
@@ -245,7 +245,7 @@ class _Bookkeeping:
         atexit.register(self.finish)
 
     def _write_start(self) -> None:
-        cfg_path = self.rd / "config.json"
+        cfg_path = RunPaths(self.rd).config_json
         try:
             old = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         except (OSError, ValueError):
@@ -259,7 +259,7 @@ class _Bookkeeping:
             raise pipeline.PipelineError(
                 f"{self.notebook.name} would read outputs computed with other parameters: " + " | ".join(stale)
                 + "; run the earlier notebooks with these parameters first (or `memtoc run`), or use another run_name")
-        params_file = self.rd / "params.yaml"
+        params_file = RunPaths(self.rd).params_yaml
         atomic_write_text(params_file, "# Resolved parameters of this run, written by memtoc.nb.setup (papermill).\n"
                           + yaml.safe_dump(plain(self.params), sort_keys=False, allow_unicode=True))
         self.entry = {"notebook": self.step.name if self.step else self.notebook and self.notebook.stem,
@@ -290,7 +290,7 @@ class _Bookkeeping:
             self.cfg["stages"][self.step.name] = pipeline.stage_record(self.params, self.step.number, self.digest, now)
         self.cfg.update(status=status, finished=now, seconds=secs)
         try:
-            write_json(self.rd / "config.json", self.cfg)
+            write_json(RunPaths(self.rd).config_json, self.cfg)
         finally:
             self.lock.release()
             if _Bookkeeping.active is self:

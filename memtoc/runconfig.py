@@ -25,6 +25,9 @@ from .config import DEFAULTS, ConfigError, load_params, resolve_release_dir, run
 from .io import write_json
 from .vocab import Backend, ClosedBookVariant, Formulation, Matcher
 
+#: the advisory lock file of a run directory (``memtoc.runlock``)
+LOCK_NAME = ".memtoc.lock"
+
 
 @dataclass(frozen=True)
 class RunPaths:
@@ -44,6 +47,11 @@ class RunPaths:
     @property
     def params_yaml(self) -> Path:
         return self.root / "params.yaml"
+
+    @property
+    def lock_file(self) -> Path:
+        """``.memtoc.lock``: who runs on this directory now (``memtoc.runlock``)."""
+        return self.root / LOCK_NAME
 
     @property
     def progress_file(self) -> Path:

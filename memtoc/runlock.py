@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .config import MemtocError
-
-LOCK_NAME = ".memtoc.lock"
+from .runconfig import LOCK_NAME, RunPaths
 
 
 class RunLockedError(MemtocError):
@@ -62,14 +61,14 @@ def _parse(data: bytes) -> Optional[LockInfo]:
 def read_lock(run_dir: Path) -> Optional[LockInfo]:
     """Who the lock file names (None: no file, empty or unreadable)."""
     try:
-        return _parse((Path(run_dir) / LOCK_NAME).read_bytes())
+        return _parse(RunPaths(run_dir).lock_file.read_bytes())
     except OSError:
         return None
 
 
 def is_held(run_dir: Path) -> bool:
     """True while a live process holds the lock of ``run_dir`` (probes with a non-blocking flock)."""
-    path = Path(run_dir) / LOCK_NAME
+    path = RunPaths(run_dir).lock_file
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -89,7 +88,7 @@ class RunLock:
     def __init__(self, run_dir: Path, command: Optional[list[str]] = None,
                  warn: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
+        self.path = RunPaths(self.run_dir).lock_file
         self.command = command
         self.warn = warn
         self.fd: Optional[int] = None

@@ -129,7 +129,7 @@ def render(run_dir: str | Path, dest: str | Path = DEFAULT_DEST) -> Path:
     """Write the snapshot of ``run_dir`` into ``dest`` (replacing what is there); returns ``dest``."""
     run_dir, dest = Path(run_dir), Path(dest)
     paths = RunPaths(run_dir)
-    cfg_path = run_dir / "config.json"
+    cfg_path = paths.config_json
     if not cfg_path.is_file() or not paths.claims_json.is_file():
         raise SnapshotError(f"{run_dir}: no finished run (config.json and paper/claims.json are needed); "
                             "run `make run` (memtoc run params/default.yaml) first")
@@ -138,16 +138,17 @@ def render(run_dir: str | Path, dest: str | Path = DEFAULT_DEST) -> Path:
         raise SnapshotError(f"{cfg_path}: the run's status is {cfg.get('status')!r}, not 'ok'; finish it first")
     pairs = _replacements(run_dir, cfg)
     tmp = dest.with_name(dest.name + ".tmp")
+    out = RunPaths(tmp)                      # the snapshot keeps the run's layout
     shutil.rmtree(tmp, ignore_errors=True)
-    for nb in sorted((run_dir / "notebooks").glob("*.ipynb")):
-        _copy_scrubbed(nb, tmp / "notebooks" / nb.name, pairs)
-    for f in sorted((run_dir / "summaries").glob("*.json")):
-        _copy_scrubbed(f, tmp / "summaries" / f.name, pairs)
+    for nb in sorted(paths.notebooks.glob("*.ipynb")):
+        _copy_scrubbed(nb, out.notebook(nb.name), pairs)
+    for f in sorted(paths.summaries.glob("*.json")):
+        _copy_scrubbed(f, out.summaries / f.name, pairs)
     for f in (paths.report_md, paths.claims_json):
-        _copy_scrubbed(f, tmp / "paper" / f.name, pairs)
-    (tmp / "figures").mkdir(parents=True, exist_ok=True)
-    for f in sorted((run_dir / "figures").glob("*.png")):
-        shutil.copy2(f, tmp / "figures" / f.name)
+        _copy_scrubbed(f, out.paper / f.name, pairs)
+    out.figures.mkdir(parents=True, exist_ok=True)
+    for f in sorted(paths.figures.glob("*.png")):
+        shutil.copy2(f, out.figures / f.name)
     stamp = _stamp(cfg, run_dir)
     write_json(tmp / "STAMP.json", json.loads(scrub(json.dumps(stamp), pairs)), indent=1)
     atomic_write_text(tmp / "README.md", _readme(stamp))

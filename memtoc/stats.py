@@ -28,7 +28,7 @@ import pandas as pd
 
 from .config import MemtocError
 from .io import plain
-from .vocab import ALT_FRAMES, FORMULATIONS, PROMPTING_ARMS, REFERENCE_FORMULATION
+from .vocab import ALT_FRAMES, FORMULATIONS, OBJECTIVES, PROMPTING_ARMS, REFERENCE_FORMULATION
 
 DEFAULT_N_BOOT = 1000     # the release's n_boot (scripts/build_paired_treatment_summary.py: N_BOOT = 1000)
 DEFAULT_N_PERM = 10000
@@ -269,7 +269,6 @@ class HolmFamily:
         return node if isinstance(node, dict) and node else None
 
 
-_OBJECTIVES = ("sft", "dpo")     # the paper's objectives (blockconfig.finetune.OBJECTIVES; equal, tested)
 
 _EVAL, _FT, _PAIRED, _Z = "evaluation", "finetune", "sign-flip", "z-test"
 
@@ -288,10 +287,10 @@ FAMILIES: dict[str, HolmFamily] = {f.name: f for f in (
                "far/contrasts_reference/{metric}",
                "far vs near incorrect values: retention change over every model, base included, on the "
                "Reference formulation (App. C: the base model +19.4 points, Holm p 0.0015, n 103)"),
-    HolmFamily("finetune_retention", "retention", _FT, ("model", "objective"), _OBJECTIVES, "all", EVERY_SLICE,
+    HolmFamily("finetune_retention", "retention", _FT, ("model", "objective"), OBJECTIVES, "all", EVERY_SLICE,
                _PAIRED, "objectives/{variant}/deltas/{metric}/{slice}",
                "fine-tuning: retention change over models x objectives (SFT, DPO)"),
-    HolmFamily("finetune_tool_follow", "tool_follow", _FT, ("model", "objective"), _OBJECTIVES, "all",
+    HolmFamily("finetune_tool_follow", "tool_follow", _FT, ("model", "objective"), OBJECTIVES, "all",
                EVERY_SLICE, _PAIRED, "objectives/{variant}/deltas/{metric}/{slice}",
                "fine-tuning: correct-tool following change over models x objectives (the tool-drop guard)"),
     HolmFamily("base_vs_instruct_paired_retention", "retention", _EVAL, ("base", "instruct"), (),

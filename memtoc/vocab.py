@@ -110,6 +110,8 @@ assert set(EXTRA_ARMS) == set(get_args(ExtraArm)), "EXTRA_ARM_SPECS must cover E
 #: the name that selects memtoc's shipped source: the probes' corpus (memtoc.probes.corpus) and the
 #: transfer dataset (memtoc.transfer.data)
 BUILTIN = "builtin"
+#: the transfer dataset imported from the Hugging Face Hub (FaithEval x ARC-Challenge, memtoc.transfer.source)
+HUB = "hub"
 
 # notebook 04 (finetune): the training objectives
 Objective = Literal["sft", "dpo"]

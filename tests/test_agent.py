@@ -370,7 +370,7 @@ def test_text_format_rendering_and_raw_transcript():
 
 def test_agent_params_defaults_and_errors():
     P = load_params(None, overrides={"agent": {"n_questions": 3, "protocols": ["auto", "guided"]}})
-    a = core.agent_params(P)
+    a = RunConfig.of(P).agent
     assert a["protocols"] == ["guided", "auto"] and a["models"] == P["models"] and a["n_boot"] == P["n_boot"]
     assert a["formulations"] == P["formulations"] and a["max_tokens_per_episode"] == 1536
     for bad, field in (({"protocols": ["fast"]}, "agent.protocols"), ({"models": ["other"]}, "agent.models"),
@@ -378,13 +378,13 @@ def test_agent_params_defaults_and_errors():
                        ({"max_tokens_per_call": 64, "max_tokens_per_episode": 32}, "agent.max_tokens_per_episode"),
                        ({"runtime": "vllm"}, "agent.runtime")):
         with pytest.raises(ConfigError, match=field):
-            core.agent_params(load_params(None, overrides={"agent": bad}))
+            RunConfig.of(load_params(None, overrides={"agent": bad})).agent
 
 
 def test_shipped_params_have_valid_agent_blocks():
     from memtoc.config import REPO_ROOT
     for f in ("default.yaml", "full.yaml", "paper.yaml", "smoke.yaml", "agent.yaml"):
-        a = core.agent_params(load_params(REPO_ROOT / "params" / f), f)
+        a = RunConfig.of(load_params(REPO_ROOT / "params" / f), f).agent
         assert a["protocols"], f
 
 
@@ -471,7 +471,7 @@ def test_memory_right_questions_come_from_02s_answers(tmp_path):
         [q.qkey for q in pool[:5]] + [pool[7].qkey, pool[20].qkey]            # pool[3] is already among the 5
     assert core.questions_for(RunConfig.of(dict(cfg5, run_dir=tmp_path / "none")), "m", bench, ["reference"]) == pool[:5]
     with pytest.raises(ConfigError, match="both 0"):
-        core.agent_params(dict(P, agent={"n_questions": 0}))
+        RunConfig.of(dict(P, agent={"n_questions": 0})).agent
 
 
 # ================================================================================================
@@ -539,7 +539,7 @@ def test_guided_to_auto_contrast_and_interval_by_hand(tmp_path):
 
 def test_default_return_per_params_file():
     from memtoc.config import REPO_ROOT
-    got = {f: core.agent_params(load_params(REPO_ROOT / "params" / f), f)
+    got = {f: RunConfig.of(load_params(REPO_ROOT / "params" / f), f).agent
            for f in ("default.yaml", "full.yaml", "paper.yaml", "smoke.yaml", "agent.yaml")}
     assert all(a.conditions[0] == "tool_right" for a in got.values())           # the paper's return is reported
     assert got["agent.yaml"].conditions == ("tool_right", "tool_wrong")          # the distractor as an extra arm
@@ -552,9 +552,9 @@ def test_default_return_per_params_file():
 
 
 def test_agent_arm_parameters_are_checked():
-    ok = core.agent_params(load_params(None, overrides={"agent": {
+    ok = RunConfig.of(load_params(None, overrides={"agent": {
         "conditions": ["tool_wrong", "tool_right"], "bootstrap": "cluster", "runtime": "openai",
-        "sampling": {"temperature": 0.7, "seeds": [0, 1, 2]}}}))
+        "sampling": {"temperature": 0.7, "seeds": [0, 1, 2]}}})).agent
     assert ok.conditions == ("tool_wrong", "tool_right") and ok.sampling == {"temperature": 0.7, "seeds": [0, 1, 2]}
     for bad, field in (({"conditions": []}, "agent.conditions"), ({"conditions": ["tool_far"]}, "agent.conditions"),
                        ({"conditions": ["tool_right", "tool_right"]}, "agent.conditions"),
@@ -566,7 +566,7 @@ def test_agent_arm_parameters_are_checked():
                        ({"sampling": {"temperature": 0, "seeds": [0]}, "runtime": "openai"}, "agent.sampling"),
                        ({"condition": "tool_wrong"}, "condition")):
         with pytest.raises(ConfigError, match=field):
-            core.agent_params(load_params(None, overrides={"agent": bad}))
+            RunConfig.of(load_params(None, overrides={"agent": bad})).agent
 
 
 def test_adapter_arm_runs_held_out_questions_and_skips_absent_adapters(tmp_path, monkeypatch):

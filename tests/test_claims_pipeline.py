@@ -23,6 +23,7 @@ from memtoc.config import DEFAULTS
 from memtoc.episodes import run_episodes
 from memtoc.prompts import closed_book_prompt
 from memtoc import report as R
+from memtoc.runconfig import RunConfig
 
 MODELS = ("fake-a", "fake-b")
 
@@ -65,7 +66,7 @@ def stage_run(tmp_path_factory):
     bench = load_benchmark()
     P = dict(DEFAULTS, n_questions=10, n_questions_extra=5, n_boot=100, n_perm=200, run_name="stagerun")
     rd = tmp_path_factory.mktemp("stagerun")
-    eps = run_episodes(bench, P)
+    eps = run_episodes(bench, RunConfig.of(P))
     qs = select_questions(bench.analysis, P["n_questions"], P["seed"])
     (rd / "summaries").mkdir(parents=True, exist_ok=True)
     (rd / "summaries" / "construction.json").write_text(
@@ -83,7 +84,7 @@ def stage_run(tmp_path_factory):
         scored[m] = ev.evaluate(PlainGenerator(_rule(10 + i, gold_e)), m, eps, memory[m], rd)
     (rd / "summaries" / "elicitation.json").write_text(json.dumps(elicitation.summary(pd.concat(mems)), default=str))
     # the optional judged layer (PROTOCOL §4b) with a scripted judge, so its claims are checked too
-    summary = judge.add_judged(analyses.evaluation_summary(scored, memory, P), scored,
+    summary = judge.add_judged(analyses.evaluation_summary(scored, memory, RunConfig.of(P)), scored,
                                dict(P, run_dir=rd, judge={"model": "fake-judge"}), generator=_Judge())
     analyses.write_summary(summary, rd)
     held = finetune.eval_episodes(qs, P["formulations"])
@@ -103,7 +104,7 @@ def stage_run(tmp_path_factory):
     from memtoc.agent.traces import Trace
     from memtoc.io import write_json
     from test_agent import CALL, Scripted, spec
-    a = agent_core.agent_params(dict(P, models=list(MODELS), agent={"n_questions": 3}))
+    a = RunConfig.of(dict(P, models=list(MODELS), agent={"n_questions": 3})).agent
     doc = agent_core.summary_head(a)
     for i, m in enumerate(MODELS):
         specs = [spec(p, question=f"Who is {m}{k}?", model=m, formulation=f) for k in range(3)

@@ -8,6 +8,7 @@ from memtoc import construct as cs
 from memtoc.benchmark import load_benchmark
 from memtoc.config import DataError, resolve_release_dir
 from memtoc.records import Question
+from memtoc.runconfig import RunConfig
 
 
 def _q(**kw):
@@ -137,7 +138,7 @@ def test_notebook_helpers(bench, tmp_path):
     dist = cs.distribution_table(bench.questions, "gold_kind")
     assert dist["pool"].sum() == 575 and dist["analysis"].sum() == 542 and dist["far_analysis"].sum() == 443
     P = load_params(None, {"n_questions": 3, "n_questions_extra": 2})
-    eps = run_episodes(bench, P)
+    eps = run_episodes(bench, RunConfig.of(P))
     s = cs.construction_summary(bench, eps)
     assert s["generator_share"] == 1.0 and s["counts"]["episodes"]["core"] == 6504
     assert s["run_episodes"]["questions"] == 3 and all(s["matches_paper"].values())

@@ -8,6 +8,7 @@ from memtoc import episodes as ep
 from memtoc import prompts
 from memtoc.config import FORMULATIONS, ConfigError, DataError, load_params
 from memtoc.records import Question
+from memtoc.runconfig import RunConfig
 
 
 def _q(i, far="Far Value", kind="person", **kw):
@@ -138,7 +139,7 @@ class _FakeBench:
 def test_run_episodes_headline_and_extras():
     qs = [_q(i, far=("F" if i % 3 else None)) for i in range(1, 21)]
     P = load_params(None, {"n_questions": 8, "n_questions_extra": 3, "formulations": ["reference", "paraphrase_a"]})
-    eps = ep.run_episodes(_FakeBench(qs), P)
+    eps = ep.run_episodes(_FakeBench(qs), RunConfig.of(P))
     ids = [e.episode_id for e in eps]
     assert len(ids) == len(set(ids))
     core = [e for e in eps if e.arm == "untreated" and e.frame == "schema" and e.condition in ep.CORE_CONDITIONS
@@ -154,10 +155,10 @@ def test_run_episodes_headline_and_extras():
     assert kinds[("tool_wrong", "schema", "flag", None)] == 3 * 2
     assert kinds[("tool_error", "schema", "no_protocol_sentence", "service_unavailable")] == 3 * 2
     P2 = load_params(None, {"n_questions": 8, "n_questions_extra": 3, "extra_arms": ["far"]})
-    eps2 = ep.run_episodes(_FakeBench(qs), P2)
+    eps2 = ep.run_episodes(_FakeBench(qs), RunConfig.of(P2))
     assert {e.condition for e in eps2} == set(ep.CORE_CONDITIONS) | {"tool_far"}
     # extras beyond the headline still get their untreated baseline
     P3 = load_params(None, {"n_questions": 2, "n_questions_extra": 4, "extra_arms": ["noop"], "formulations": ["reference"]})
-    eps3 = ep.run_episodes(_FakeBench(qs), P3)
+    eps3 = ep.run_episodes(_FakeBench(qs), RunConfig.of(P3))
     noop_q = {e.qkey for e in eps3 if e.condition == "noop"}
     assert noop_q <= {e.qkey for e in eps3 if e.condition == "tool_wrong"} and len(noop_q) == 4

@@ -18,6 +18,7 @@ from memtoc.benchmark import select_questions
 from memtoc.config import DEFAULTS, FORMULATIONS
 from memtoc.episodes import run_episodes
 from memtoc.prompts import closed_book_prompt
+from memtoc.runconfig import RunConfig
 
 
 def _params(**kw):
@@ -57,7 +58,7 @@ def _answer_by_episode(episodes, seed=0, follow=0.6, abstain=0.1):
 @pytest.fixture(scope="module")
 def run(bench, tmp_path_factory):
     P = _params()
-    eps = run_episodes(bench, P)
+    eps = run_episodes(bench, RunConfig.of(P))
     qs = select_questions(bench.analysis, P["n_questions"], P["seed"])
     mem = _memory(qs, P["formulations"], random.Random(1))
     gen = PlainGenerator(_answer_by_episode(eps))
@@ -193,7 +194,7 @@ def test_holm_families_span_models_and_leave_diagnostics_uncorrected(run):
     m = (d2["arm"] == "warn") & (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
     d2.loc[m, "outcome"] = "kept_memory"
     d2["model"] = "fake2"
-    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, None, dict(P, n_boot=100, n_perm=400))
+    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, None, RunConfig.of(dict(P, n_boot=100, n_perm=400)))
     fam = s["holm_families"]["prompting_retention"]
     assert fam["axes"] == ["model", "strategy"] and fam["slices"] == list(FORMULATIONS) + ["pooled"]
     assert set(fam["members"]) == set(FORMULATIONS) | {"pooled"}
@@ -227,7 +228,7 @@ def test_base_model_families(run):
     d2 = df.assign(model=base)
     flip = (d2["condition"] == "tool_wrong") & (d2["cell"] == "arb")
     d2.loc[flip, "outcome"] = "kept_memory"
-    s = analyses.evaluation_summary({"fake": df, base: d2}, None, dict(P, n_boot=100, n_perm=400))
+    s = analyses.evaluation_summary({"fake": df, base: d2}, None, RunConfig.of(dict(P, n_boot=100, n_perm=400)))
     fams = s["holm_families"]
     assert all(not k.startswith(base) for sl in fams["prompting_retention"]["members"].values() for k in sl)
     assert s["models"][base]["prompting"]["warn"]["contrasts"]["retention"]["p_holm"] is None
@@ -270,7 +271,7 @@ def test_matcher_sensitivity_reports_both_matchers(run):
 
 def test_summary_json_structure(run):
     P, eps, mem, gen, rd, df = run
-    s = analyses.evaluation_summary({"fake": df}, {"fake": mem}, P)
+    s = analyses.evaluation_summary({"fake": df}, {"fake": mem}, RunConfig.of(P))
     path = analyses.write_summary(s, rd)
     s2 = json.loads(path.read_text())
     m = s2["models"]["fake"]
@@ -310,7 +311,7 @@ class KeyedFake(ScriptedGenerator):
 
 def test_generation_batches_across_arms_caches_per_arm_and_resumes(bench, tmp_path):
     P = _params(n_questions=6, n_questions_extra=4, formulations=["reference"])
-    eps = run_episodes(bench, P)
+    eps = run_episodes(bench, RunConfig.of(P))
     answer = _answer_by_episode(eps)
     gen_dir = tmp_path / "generations" / "fake"
     # the elicitation already answered the forced closed-book prompts: no_tool must reuse them
@@ -353,7 +354,7 @@ def test_cross_model_closed_book_and_reference_contrasts(run):
     permissive agreement."""
     P, eps, mem, gen, rd, df = run
     d2 = df.assign(model="fake2")
-    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, {"fake": mem, "fake2": mem}, dict(P, n_boot=50, n_perm=50))
+    s = analyses.evaluation_summary({"fake": df, "fake2": d2}, {"fake": mem, "fake2": mem}, RunConfig.of(dict(P, n_boot=50, n_perm=50)))
     m = s["models"]["fake"]
     assert set(m["far"]["contrasts_reference"]) >= {"retention", "wrong_follow"}
     assert "retention" in m["protocol"]["no_protocol_sentence"]["contrasts_reference"]

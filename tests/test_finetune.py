@@ -13,6 +13,7 @@ from memtoc.config import FORMULATIONS, ConfigError, load_params
 from memtoc.metrics import synthetic_arm
 from memtoc.models import attention_implementation
 from memtoc.records import Question
+from memtoc.runconfig import RunConfig
 
 
 def _q(i: int, chain: int, fold: int, excluded: bool = False, far: str | None = "Far Town") -> Question:
@@ -26,7 +27,7 @@ def _q(i: int, chain: int, fold: int, excluded: bool = False, far: str | None = 
 # parameters
 
 def test_defaults_are_the_paper_configuration():
-    ft = F.finetune_params(load_params(None))
+    ft = RunConfig.of(load_params(None)).finetune
     assert ft["lora_r"] == 16 and ft["lora_alpha"] == 32 and ft["epochs"] == 1 and ft["dpo_beta"] == 0.1
     assert ft["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert ft["objectives"] == ["sft", "dpo"] and ft["folds"] == [0, 1]
@@ -35,18 +36,18 @@ def test_defaults_are_the_paper_configuration():
     assert ft["exclude_linked"] is False and ft["backend_options"] == {}
     assert ft["seed"] == load_params(None)["seed"]
     # null still means the run's formulations
-    every = F.finetune_params(load_params(None, overrides={"finetune": {"train_formulations": None}}))
+    every = RunConfig.of(load_params(None, overrides={"finetune": {"train_formulations": None}})).finetune
     assert every["train_formulations"] == list(FORMULATIONS)
 
 
 def test_paper_params_train_like_the_paper_within_40_gb():
-    ft = F.finetune_params(load_params("params/paper.yaml"))
+    ft = RunConfig.of(load_params("params/paper.yaml")).finetune
     assert ft["learning_rate"] == 1e-5 and ft["train_formulations"] == ["reference"]
     assert ft["gradient_checkpointing"] is True
     assert ft["batch_size"] * ft["grad_accum"] == 8 and ft["batch_size"] <= 4     # effective batch 8
     assert ft["train_dtype"] == "bfloat16"
     for name in ("params/default.yaml", "params/finetune.yaml", "params/smoke.yaml"):   # embedded model
-        assert F.finetune_params(load_params(name))["learning_rate"] == 1e-4, name
+        assert RunConfig.of(load_params(name)).finetune["learning_rate"] == 1e-4, name
 
 
 def test_paper_params_give_04_transformers_options_only():
@@ -76,7 +77,7 @@ def test_paper_params_give_04_transformers_options_only():
     kt = F.eval_generator_kwargs(Pt)
     assert kt["token_budget"] == 2048 and kt["decode"] == "compact"
     with pytest.raises(ConfigError, match="finetune.backend_options"):
-        F.finetune_params(load_params(None, overrides={"finetune": {"backend_options": [1]}}))
+        RunConfig.of(load_params(None, overrides={"finetune": {"backend_options": [1]}})).finetune
 
 
 def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
@@ -85,7 +86,7 @@ def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
     assert F.warmup_kwargs(0.1, "5.24.0") == {"warmup_steps": 0.1}
     assert F.warmup_kwargs(0.0, "5.24.0") == {"warmup_steps": 0}
     from trl import DPOConfig, SFTConfig
-    ft = F.finetune_params(load_params(None, overrides={"finetune": {"warmup_ratio": 0.1}}))
+    ft = RunConfig.of(load_params(None, overrides={"finetune": {"warmup_ratio": 0.1}})).finetune
     for cls in (SFTConfig, DPOConfig):          # the installed transformers / trl
         args = cls(**F.training_arguments(ft, tmp_path, progress=False))
         assert args.get_warmup_steps(100) == 10 and args.get_warmup_steps(7) == 1
@@ -104,7 +105,7 @@ def test_softcapping_models_train_with_eager_attention(tmp_path):
     cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "g2")
-    model = F.load_train_model(tmp_path / "g2", F.finetune_params(load_params(None)))
+    model = F.load_train_model(tmp_path / "g2", RunConfig.of(load_params(None)).finetune)
     assert model.config._attn_implementation == "eager"
     # the rule load_train_model uses (models.attention_implementation with training=True)
     assert Gemma2Config().attn_logit_softcapping
@@ -114,7 +115,7 @@ def test_softcapping_models_train_with_eager_attention(tmp_path):
     llama = tmp_path / "llama"
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(llama)
-    assert F.load_train_model(llama, F.finetune_params(load_params(None))).config._attn_implementation == "sdpa"
+    assert F.load_train_model(llama, RunConfig.of(load_params(None)).finetune).config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("bad, field", [
@@ -131,11 +132,11 @@ def test_softcapping_models_train_with_eager_attention(tmp_path):
 ])
 def test_bad_finetune_params_name_the_field(bad, field):
     with pytest.raises(ConfigError, match=field):
-        F.finetune_params(load_params(None, overrides={"finetune": bad}))
+        RunConfig.of(load_params(None, overrides={"finetune": bad})).finetune
 
 
 def test_training_config_is_shared_by_objectives():
-    ft = F.finetune_params(load_params(None))
+    ft = RunConfig.of(load_params(None)).finetune
     rows = [{"prompt": "p", "completion": "c"}]
     h_sft = F.config_hash("sft", ft, "w", rows)
     assert h_sft == F.config_hash("sft", ft, "w", rows)
@@ -149,10 +150,10 @@ def test_training_config_is_shared_by_objectives():
 def test_adapter_config_hashes_are_unchanged_by_the_typed_block():
     """Finished adapters resume by config hash: the typed block hashes as the resolved dict did
     (values recorded from the dict-based validator)."""
-    ft = F.finetune_params(load_params(None))
+    ft = RunConfig.of(load_params(None)).finetune
     assert F.config_hash("dpo", ft, "w", [{"prompt": "p"}]) == "d5fea04ad5c7c37c"
-    ft2 = F.finetune_params(load_params(None, overrides={"finetune": {"learning_rate": 1e-4, "max_steps": 3,
-                                                                      "target_modules": "q_proj"}}))
+    ft2 = RunConfig.of(load_params(None, overrides={"finetune": {"learning_rate": 1e-4, "max_steps": 3,
+                                                                      "target_modules": "q_proj"}})).finetune
     assert F.config_hash("sft", ft2, "w", [{"prompt": "p"}]) == "c65ad1e2588f60c5"
     assert F.training_config(ft2)["target_modules"] == ["q_proj"] and ft2.target_modules == ("q_proj",)
 
@@ -352,12 +353,12 @@ def test_pair_preference_matches_the_models_own_loss(bench):
 
 def test_only_instruction_tuned_models_are_fine_tuned_by_default():
     P = load_params("params/paper.yaml")
-    ft = F.finetune_params(P)
+    ft = RunConfig.of(P).finetune
     assert "llama-3.1-8b" in P["models"] and "llama-3.1-8b" not in ft["models"]
     assert ft["models"] == [m for m in P["models"] if m != "llama-3.1-8b"]
-    assert F.finetune_params(load_params(None))["models"] == ["smollm2-135m-instruct"]
+    assert RunConfig.of(load_params(None)).finetune["models"] == ["smollm2-135m-instruct"]
     with pytest.raises(ConfigError, match="finetune.models"):
-        F.finetune_params(load_params(None, overrides={"finetune": {"models": ["gpt-9"]}}))
+        RunConfig.of(load_params(None, overrides={"finetune": {"models": ["gpt-9"]}})).finetune
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,7 +477,7 @@ def test_training_rows_tokenize_like_inference_with_one_bos(tmp_path):
     assert naive.count(bos) == 2                               # what trl saw before: two BOS
 
     render = lambda p: F.training_prompt(tok, spec, p)
-    ft = F.finetune_params(load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2}}))
+    ft = RunConfig.of(load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2}})).finetune
     torch.manual_seed(0)
     tiny = lambda: LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -20,6 +20,7 @@ import pytest
 from memtoc import finetune as F
 from memtoc import models
 from memtoc.config import load_params
+from memtoc.runconfig import RunConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -107,7 +108,7 @@ def trainers(request, tmp_path_factory, examples, fast_fingerprints):
     name = request.param
     tok, spec = _tokenizer_and_spec(name)
     out = tmp_path_factory.mktemp(name)
-    ft = F.finetune_params(load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2}}))
+    ft = RunConfig.of(load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2}})).finetune
     render = lambda p: F.training_prompt(tok, spec, p)
     F.check_training_tokens(tok, spec, [e.prompt for e in examples])
     eos = F.training_eos(tok, spec)

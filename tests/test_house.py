@@ -37,13 +37,6 @@ STAGE_MODULES = ("memtoc/construct.py", "memtoc/elicitation.py", "memtoc/episode
                  "memtoc/agent/", "memtoc/claims.py", "memtoc/report.py", "memtoc/replication.py")
 #: raw-params functions not yet moved to the typed configuration ("file:function" -> count); may only go down
 PENDING_RAW_PARAMS = {
-    "memtoc/agent/core.py:agent_params": 1,
-    "memtoc/analyses/summary.py:evaluation_summary": 1,
-    "memtoc/analyses/summary.py:run_dir_of": 1,
-    "memtoc/episodes.py:run_episodes": 1,
-    "memtoc/evaluation.py:ensure_memory": 1,
-    "memtoc/finetune/__init__.py:finetune_params": 1,
-    "memtoc/probes/core.py:probes_params": 1,
     "memtoc/transfer/core.py:transfer_params": 1,
 }
 RAW_NAMES = {"P", "params"}

@@ -213,13 +213,13 @@ def test_steering_cell_and_bar():
 
 # -- params, corpus, sets -----------------------------------------------------------------------
 def test_probes_params_validation():
-    assert core.probes_params({}).strengths == (12,) and core.probes_params({}).to_dict()["strengths"] == [12]
+    assert RunConfig.of({}).probes.strengths == (12,) and RunConfig.of({}).probes.to_dict()["strengths"] == [12]
     with pytest.raises(ConfigError, match="unknown probes key"):
-        core.probes_params({"probes": {"nope": 1}})
+        RunConfig.of({"probes": {"nope": 1}}).probes
     with pytest.raises(ConfigError, match="directions"):
-        core.probes_params({"probes": {"directions": ["sideways"]}})
+        RunConfig.of({"probes": {"directions": ["sideways"]}}).probes
     with pytest.raises(ConfigError, match="strengths"):
-        core.probes_params({"probes": {"strengths": [0]}})
+        RunConfig.of({"probes": {"strengths": [0]}}).probes
 
 
 def test_corpus_builtin_and_file(tmp_path):

@@ -239,3 +239,15 @@ def test_full_official_layout_release(tmp_path):
             assert (c.status, c.derived) == (compact[c.id].status, compact[c.id].derived), c.id
     assert {c.family for c in res.checks if c.status == "ABSENT"} >= {"sec5_2", "finetune"}
     assert sum(c.status == "MATCH" for c in res.checks if c.family in ("table4", "pooled", "far")) == 64 + 66 + 22
+
+
+def test_table4_has_the_papers_arms_whatever_the_package_adds(monkeypatch):
+    """Table 4's rows come from the printed file, not from ``vocab.PROMPTING_ARMS``: a prompting arm
+    added to the package leaves the published check and its 64 values as they are."""
+    from memtoc import vocab
+    from memtoc.published import checks
+    t4 = printed_mod.printed("table4")
+    assert checks.table4_arms() == ("untreated", "warn", "prior", "flag") == tuple(t4["prompts"])
+    assert all(tuple(row) == checks.table4_arms() for row in t4["rows"].values())
+    monkeypatch.setattr(vocab, "PROMPTING_ARMS", vocab.PROMPTING_ARMS + ("added_arm",))
+    assert checks.paper_strategies() == ("warn", "prior", "flag") and len(checks.table4_ids()) == 64

@@ -19,6 +19,7 @@ from memtoc.benchmark import load_benchmark, select_questions
 from memtoc.config import DEFAULTS
 from memtoc.episodes import run_episodes
 from memtoc.prompts import closed_book_prompt
+from memtoc.runconfig import RunConfig
 from test_claims import make_run
 
 MODEL = "llama-3.1-8b-instruct"          # a registry name the paper reports (Table 1, 4, 7)
@@ -36,7 +37,7 @@ def paper_run(tmp_path_factory):
     P = dict(DEFAULTS, n_questions=6, n_questions_extra=3, n_boot=50, n_perm=50, run_name="paperrun",
              extra_arms=[])
     rd = tmp_path_factory.mktemp("paperrun")
-    eps = run_episodes(bench, P)
+    eps = run_episodes(bench, RunConfig.of(P))
     qs = select_questions(bench.analysis, P["n_questions"], P["seed"])
     (rd / "summaries").mkdir(parents=True, exist_ok=True)
     (rd / "summaries" / "construction.json").write_text(
@@ -47,7 +48,7 @@ def paper_run(tmp_path_factory):
             for v in ("forced", "permissive")]
     scored = {MODEL: ev.evaluate(PlainGenerator(_scripted(2, {e.prompt: e.gold for e in eps})), MODEL, eps, mems[0], rd)}
     (rd / "summaries" / "elicitation.json").write_text(json.dumps(elicitation.summary(pd.concat(mems)), default=str))
-    analyses.write_summary(analyses.evaluation_summary(scored, {MODEL: mems[0]}, P), rd)
+    analyses.write_summary(analyses.evaluation_summary(scored, {MODEL: mems[0]}, RunConfig.of(P)), rd)
     return rd
 
 

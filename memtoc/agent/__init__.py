@@ -21,7 +21,7 @@ Modules
 from __future__ import annotations
 
 from .contrasts import PROTOCOL_CONTRASTS, percentile_bootstrap
-from .core import (AgentConfig, AgentError, agent_params, build_specs, episodes, formulations_of, plot,
+from .core import (AgentConfig, AgentError, build_specs, episodes, formulations_of, plot,
                    published_block, read_summary)
 from .metrics import (METRIC_DOC, SLICES, contrast_table, episodes_frame, published_table, repair_table,
                       summary_table)
@@ -34,7 +34,7 @@ from .tools import SCHEMA_VARIANTS, FixtureTool, episode_schema, oracle_argument
 from .stage import run
 from .traces import Trace
 
-__all__ = ["AgentConfig", "AgentError", "agent_params", "build_specs", "episodes", "formulations_of",
+__all__ = ["AgentConfig", "AgentError", "build_specs", "episodes", "formulations_of",
            "plot", "published_block", "read_summary", "run", "METRIC_DOC", "SLICES", "contrast_table", "episodes_frame",
            "PROTOCOL_CONTRASTS", "percentile_bootstrap",
            "published_table", "repair_table", "summary_table", "FORMATS", "Parsed", "ToolCall", "ToolFormat",

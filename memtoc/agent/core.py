@@ -88,11 +88,6 @@ class AgentError(MemtocError):
 # ==================================================================================================
 # parameters
 
-def agent_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> AgentConfig:
-    """The run's resolved ``agent`` block (``RunConfig.of(params, source).agent``)."""
-    return RunConfig.of(params, source).agent
-
-
 #: model requests per episode at most (guided: call + answer; two_stage: decision + call + answer; oracle:
 #: the answer; auto_constrained shares auto's free turn, plus its constrained call and answer)
 REQUESTS_MAX = {"guided": 2, "auto": 2, "two_stage": 3, "oracle": 1, "auto_constrained": 2}

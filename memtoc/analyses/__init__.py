@@ -132,8 +132,7 @@ from .cross_model import (base_models, cross_model_families, cross_model_section
                           ranking_section)
 from .headline import cell_counts, headline_metrics, matcher_sensitivity, point_metrics, source_matrix
 from .subsets import present_formulations, restrict_questions, select_arm
-from .summary import (SCHEMA_VERSION, apply_families, evaluation_summary, model_summary, run_dir_of,
-                      write_summary)
+from .summary import SCHEMA_VERSION, apply_families, evaluation_summary, model_summary, write_summary
 
 __all__ = [
     "SCHEMA_VERSION", "add_rates", "add_reference_contrasts", "add_success", "apply_families",
@@ -142,5 +141,5 @@ __all__ = [
     "evaluation_summary", "far_comparison", "final_line_compliance", "frames_comparison", "headline_metrics",
     "interval_obj", "matcher_sensitivity", "model_summary", "noop_comparison", "paired_base_vs_instruct",
     "payload_comparison", "point_metrics", "present_formulations", "rate_intervals", "ranking_section",
-    "restrict_questions", "run_dir_of", "select_arm", "source_matrix", "write_summary",
+    "restrict_questions", "select_arm", "source_matrix", "write_summary",
 ]

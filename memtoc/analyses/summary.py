@@ -4,13 +4,13 @@ cross-model comparisons."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import pandas as pd
 
 from .. import metrics, stats
-from ..io import plain, write_json
-from ..runconfig import RunConfig
+from ..io import plain
+from ..runconfig import RunConfig, RunPaths
 from ..vocab import (BASELINE_ARM, CORE_CONDITIONS, DEFAULT_FRAME, DEFAULT_PAYLOAD, HEADLINE_METRICS, POOLED,
                      PROMPTING_ARMS, PROTOCOL_ARM, REFERENCE_FORMULATION)
 from .arms import (add_reference_contrasts, add_success, arm_comparison, far_comparison, frames_comparison,
@@ -80,21 +80,15 @@ def apply_families(models: dict[str, dict], alpha: float = 0.05) -> dict[str, di
     return plain(out)
 
 
-def run_dir_of(P) -> Optional[Path]:
-    """The run directory of a RunConfig, or of a parameter dict that names one (None otherwise: the
-    closed-book section then skips the permissive pass)."""
-    return P.run_dir if isinstance(P, RunConfig) else P.get("run_dir")
-
-
 def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model: dict[str, pd.DataFrame] | None,
-                       P) -> dict:
-    """The content of ``summaries/evaluation.json`` for a run (``P``: its RunConfig or parameter dict)."""
-    cfg = RunConfig.of(P)
+                       cfg: RunConfig) -> dict:
+    """The content of ``summaries/evaluation.json`` for the run ``cfg`` (the closed-book section reads
+    the permissive pass from ``cfg.run_dir`` when the run elicited it)."""
     forms = list(cfg.formulations)
     kw = dict(formulations=forms, n_boot=cfg.n_boot, n_perm=cfg.n_perm, seed=0, alpha=float(cfg.alpha))
     models = {m: model_summary(df, (memory_by_model or {}).get(m), **kw) for m, df in scored_by_model.items()}
     for m, df in scored_by_model.items():
-        cb = closed_book_section(df, (memory_by_model or {}).get(m), run_dir_of(P), m)
+        cb = closed_book_section(df, (memory_by_model or {}).get(m), cfg.run_dir, m)
         if cb:
             models[m]["closed_book"] = cb
     applied = apply_families(models, kw["alpha"])
@@ -119,4 +113,4 @@ def evaluation_summary(scored_by_model: dict[str, pd.DataFrame], memory_by_model
 
 def write_summary(summary: dict, run_dir) -> Path:
     """Write ``summaries/evaluation.json`` under ``run_dir``."""
-    return write_json(Path(run_dir) / "summaries" / "evaluation.json", summary, indent=2)
+    return RunPaths(run_dir).write_summary("evaluation", summary)

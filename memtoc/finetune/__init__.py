@@ -116,10 +116,7 @@ Claims: e.g. ``/models/smollm2-135m-instruct/objectives/sft/deltas/retention/poo
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 from ..blockconfig import FinetuneConfig
-from ..runconfig import RunConfig
 from .common import (EVAL_CONDITIONS, METRICS, OBJECTIVES, SCHEMA_VERSION, SHARED_BACKEND_OPTIONS,
                      TRAIN_CONDITIONS, FinetuneError, adapter_dir, close_generator, read_stage_summary,
                      read_summary, write_stage_summary, write_summary)
@@ -136,17 +133,12 @@ from .training import (TRAINING_KEYS, check_training_tokens, config_hash, finish
                        training_config, training_eos, training_prompt, warmup_kwargs)
 
 
-def finetune_params(params: RunConfig | Mapping[str, Any], source: str = "<params>") -> FinetuneConfig:
-    """The run's resolved ``finetune`` block (``RunConfig.of(params, source).finetune``)."""
-    return RunConfig.of(params, source).finetune
-
-
 __all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED_BACKEND_OPTIONS",
            "TRAIN_CONDITIONS", "TRAINING_KEYS", "FinetuneConfig", "FinetuneError", "FoldPlan", "TrainExample",
            "adapter_dir", "adapters_table", "check_no_leakage", "check_training_tokens", "close_generator",
            "closed_book_counts", "closed_book_table", "completion", "config_hash", "criterion_table",
            "crossfit_plan", "delta_table", "dpo_rows", "eval_episodes", "eval_generator_kwargs",
-           "evaluate_adapter", "finetune_params", "finished_adapter", "leading_special_text", "load_train_model",
+           "evaluate_adapter", "finished_adapter", "leading_special_text", "load_train_model",
            "loss_curve", "make_trainer", "paired_deltas", "pair_preference", "plan", "plan_table", "plot_deltas",
            "plot_loss_curve", "read_stage_summary", "read_summary", "run", "score_with", "sft_rows",
            "train_adapter", "training_arguments", "training_config", "training_eos", "training_examples",

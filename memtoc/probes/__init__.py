@@ -7,8 +7,8 @@ trainer, metrics, sae-lens files), ``dictionaries`` (ReLU / JumpReLU / TopK read
 """
 from __future__ import annotations
 
-from .core import SETS, SPLITS, ProbeError, caveat, episode_sets, probes_params, run
+from .core import SETS, SPLITS, ProbeError, caveat, episode_sets, run
 from .plots import plot_lens, plot_steering, lens_table, steer_table, sae_table
 
-__all__ = ["SETS", "SPLITS", "ProbeError", "caveat", "episode_sets", "probes_params", "run",
+__all__ = ["SETS", "SPLITS", "ProbeError", "caveat", "episode_sets", "run",
            "plot_lens", "plot_steering", "lens_table", "steer_table", "sae_table"]

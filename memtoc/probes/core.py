@@ -86,11 +86,6 @@ class ProbeError(MemtocError):
     """Missing inputs of notebooks 02/03, or an impossible probes configuration."""
 
 
-def probes_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> ProbesConfig:
-    """The run's ``probes`` block (``RunConfig.of(params, source).probes``)."""
-    return RunConfig.of(params, source).probes
-
-
 def _for_model(table: dict, name: str, label: str):
     for k in (name, label):
         if k in table:

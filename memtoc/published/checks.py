@@ -12,11 +12,11 @@ from typing import Any, Callable, Iterable
 from .. import metrics, stats
 from ..analyses import arms
 from ..config import FORMULATIONS
-from ..vocab import BASELINE_ARM, HEADLINE_METRICS, POOLED, PROMPTING_ARMS, REFERENCE_FORMULATION
+from ..vocab import BASELINE_ARM, HEADLINE_METRICS, POOLED, REFERENCE_FORMULATION
 from .frames import PV_FORMULATION, arm_blocks, arms_frame, release_frame
 from .printed import printed, prose_value, where
 from .release import ReleaseData
-from .result import Collector, MissingInput, decimals_rule, fmt
+from .result import Collector, MissingInput, PublishedCheckError, decimals_rule, fmt
 from .via import Traced, joined, trace
 
 MODELS = {"Llama-3.1-8B-Instruct": "llamai", "gemma-2-9b-it": "gemma", "Qwen2.5-7B-Instruct": "qwen",
@@ -27,7 +27,6 @@ COLUMNS = dict(zip(("ret", "tool", "wrong", "err"), HEADLINE_METRICS))
 RELEASE_METRIC = {"keep": "retention", "keep_strict": "retention", "CRA_arb": "cra_arb",
                   "tool_gold_follow": "tool_follow", "prior_bw": "wrong_follow", "prior": "wrong_follow",
                   "te_abstain": "err_abstain", "nc_CRA": "nc_acc"}
-TABLE4_ARMS = (BASELINE_ARM,) + PROMPTING_ARMS
 #: bootstrap / permutation sizes: only point values (deltas, rates) are compared, not intervals
 N_BOOT, N_PERM = 10, 10
 #: the release stores rates rounded to 4 decimals; the paper's tables print from those stored rates
@@ -98,11 +97,27 @@ def table1_ids() -> list[str]:
 # Table 4 and §5.4: notebook 03's prompting section (analyses.arms.arm_comparison) on the release's arms
 
 
+def table4_arms() -> tuple[str, ...]:
+    """Table 4's rows as the printed file names them (``paper/published/table4.json`` ``prompts``): the
+    untreated arm, then the paper's three prompting strategies. A prompting arm added to the package
+    (``vocab.PROMPTING_ARMS``) is not among them: the paper printed none for it."""
+    arms = tuple(printed("table4")["prompts"])
+    if not arms or arms[0] != BASELINE_ARM:
+        raise PublishedCheckError(f"paper/published/table4.json: 'prompts' must start with {BASELINE_ARM!r} "
+                                  f"(the table's dash row), then the strategies; it has {list(arms)}")
+    return arms
+
+
+def paper_strategies() -> tuple[str, ...]:
+    """The paper's prompting strategies (Table 4's rows after the untreated one)."""
+    return table4_arms()[1:]
+
+
 def prompting_sections(rd: ReleaseData) -> dict[str, Traced]:
     """``{model: analyses.arms.arm_comparison(...)}`` over untreated + the three strategies, judged layer,
     every formulation: per-formulation and pooled rates, question-paired contrasts vs untreated."""
     am, n_err = rd.get("arm_metrics"), rd.analysis_set_size()
-    return {m: trace(arms.arm_comparison, arms_frame(am, key, TABLE4_ARMS, n_err), PROMPTING_ARMS,
+    return {m: trace(arms.arm_comparison, arms_frame(am, key, table4_arms(), n_err), paper_strategies(),
                      HEADLINE_METRICS, "prompting", n_boot=N_BOOT, n_perm=N_PERM)
             for m, key in MODELS.items()}
 
@@ -111,7 +126,7 @@ def check_table4(sections: dict[str, Traced], out: Collector) -> None:
     """Table 4 = the Reference formulation's rates (64 values)."""
     t4 = printed("table4")
     for m in MODELS:
-        for arm in TABLE4_ARMS:
+        for arm in table4_arms():
             for col, metric in COLUMNS.items():
                 v = sections[m].map(lambda s, a=arm, k=metric: s[a][REFERENCE_FORMULATION][k]["value"])
                 out.add(f"table4.{m}.{arm}.{col}", "table4", t4["rows"][m][arm][col], v, "percent:1",
@@ -120,7 +135,7 @@ def check_table4(sections: dict[str, Traced], out: Collector) -> None:
 
 
 def table4_ids() -> list[str]:
-    return [f"table4.{m}.{a}.{c}" for m in MODELS for a in TABLE4_ARMS for c in COLUMNS]
+    return [f"table4.{m}.{a}.{c}" for m in MODELS for a in table4_arms() for c in COLUMNS]
 
 
 def check_sec5_4(sections: dict[str, Traced], out: Collector) -> None:
@@ -133,12 +148,13 @@ def check_sec5_4(sections: dict[str, Traced], out: Collector) -> None:
             pub = prose_value(prose, "sec5_4", key)
             d = sections[LLAMA].map(lambda s, a=arm, k=COLUMNS[col]: 100 * s[a]["contrasts"][k]["delta"])
             out.add(f"sec5_4.{LLAMA}.{arm}.{col}_delta", "sec5_4", pub, d, decimals_rule(pub), where(prose, "sec5_4", key))
-    cells = [(m, a) for m in MODELS for a in PROMPTING_ARMS]
+    strategies = paper_strategies()
+    cells = [(m, a) for m in MODELS for a in strategies]
     allsec = [sections[m] for m in MODELS]
 
     def deltas(metric: str) -> Traced:
         return joined(allsec, lambda *ss: {(m, a): s[a]["contrasts"][metric]["delta"]
-                                           for (m, s) in zip(MODELS, ss) for a in PROMPTING_ARMS})
+                                           for (m, s) in zip(MODELS, ss) for a in strategies})
     up = deltas("retention").map(lambda d: f"{sum(v > 0 for v in d.values())} of {len(cells)}")
     out.add("sec5_4.retention_up_directions", "sec5_4", prose_value(prose, "sec5_4", "retention_up"), up, "exact",
             where(prose, "sec5_4", "retention_up"))
