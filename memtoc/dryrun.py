@@ -77,18 +77,28 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def tensor_parallel(backend: str, options: dict[str, Any]) -> int:
+    """GPUs one model is split over: vLLM's ``backend_options.tensor_parallel_size`` (default 1)."""
+    tp = options.get("tensor_parallel_size", 1) if backend == "vllm" else 1
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"backend_options.tensor_parallel_size must be an integer >= 1 (GPUs per model), got {tp!r}")
+    return tp
+
+
 def estimate_model(spec: models.ModelSpec, backend: str, dtype: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Memory of one model on one GPU (None where the registry has no parameter count)."""
+    """Memory of one model per GPU (None where the registry has no parameter count): vLLM splits the
+    weights over ``tensor_parallel_size`` GPUs and keeps a KV cache on each."""
     if backend == "openai" or spec.params_b is None:
-        return {"weights_gb": None, "gpu_gb": None, "gpu_class": None, "quant": None}
+        return {"weights_gb": None, "gpu_gb": None, "gpu_class": None, "quant": None, "gpus": 1}
     quant = _quant(spec, options, dtype)
     w = spec.params_b * BYTES_PER_PARAM[quant]
+    tp = tensor_parallel(backend, options)
     if backend == "vllm":
         util = float(options.get("gpu_memory_utilization", 0.9))
-        need = (w + KV_CACHE_GB) / util
+        need = (w / tp + KV_CACHE_GB) / util
     else:
         need = w * 1.2
-    return {"weights_gb": w, "gpu_gb": need, "gpu_class": _gpu_class(need), "quant": quant}
+    return {"weights_gb": w, "gpu_gb": need, "gpu_class": _gpu_class(need), "quant": quant, "gpus": tp}
 
 
 def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_new_tokens: int,
@@ -157,9 +167,12 @@ def memory_line(label: str, spec, e: dict[str, Any], backend: str, suffix: str =
     """One model's line of the memory plan (``e``: :func:`estimate_model`)."""
     if e["weights_gb"] is None:
         return f"  {label} {backend}: memory unknown (no parameter count)"
-    gpu = f"{e['gpu_class']} GB GPU" if e["gpu_class"] else "no single GPU (needs more than 80 GB)"
+    n = e.get("gpus", 1)
+    per = " per GPU" if n > 1 else ""
+    gpu = (f"{n} x {e['gpu_class']} GB GPU" if n > 1 else f"{e['gpu_class']} GB GPU") if e["gpu_class"] \
+        else f"no GPU holds it (needs more than 80 GB{per})"
     return (f"  {label} {spec.params_b:g}B params, {e['quant']}: weights ~{e['weights_gb']:.0f} GB, "
-            f"needs ~{e['gpu_gb']:.0f} GB -> {gpu}{suffix}")
+            f"needs ~{e['gpu_gb']:.0f} GB{per} -> {gpu}{suffix}")
 
 
 def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) -> list[dict[str, Any]]:
@@ -428,8 +441,10 @@ def _memory_lines(ctx: Context, source: str) -> tuple[list[str], list]:
         ctx.est[spec.name] = e
         lines.append(memory_line(f"{spec.name:<32}", spec, e, params["backend"]))
         if e["weights_gb"] is not None and e["gpu_class"] is None:
-            cannot.append(f"{spec.name} in {e['quant']} needs ~{e['gpu_gb']:.0f} GB of GPU memory, more than one "
-                          "80 GB GPU; use a quantized checkpoint (e.g. AWQ-int4) or a smaller model")
+            split = (" (vLLM: or split it with backend_options.tensor_parallel_size)"
+                     if params["backend"] == "vllm" else "")
+            cannot.append(f"{spec.name} in {e['quant']} needs ~{e['gpu_gb']:.0f} GB of GPU memory per GPU, more than "
+                          f"one 80 GB GPU; use a quantized checkpoint (e.g. AWQ-int4) or a smaller model{split}")
     judge_est = judge_memory(params, lines, cannot)
     if cannot:
         raise ConfigError(f"{source}: cannot run: " + "; ".join(cannot))
@@ -473,6 +488,7 @@ def dry_run_json(params: dict[str, Any], only: Optional[list[str]] = None, sourc
             "total_seconds": sum(s for s in known if s is not None),
             "unestimated_stages": [p.stage for p in plans if p.enabled and p.seconds is None],
             "gpu_gb": max(gpu) if gpu else None,
+            "gpus_per_model": max([e.get("gpus", 1) for e in ctx.est.values()], default=1),
             "note": "estimates from the formulas in memtoc/dryrun.py (assumed constants, not measurements)"}
 
 

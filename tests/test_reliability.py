@@ -687,3 +687,21 @@ def test_run_takes_the_release_on_the_command_line(tmp_path, capsys):
     rc = cli.main(["run", SMOKE, "--release", str(tmp_path / "nowhere"), "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 2 and "nowhere" in err and err.count("\n") == 1
+
+
+def test_dry_run_splits_a_model_over_tensor_parallel_gpus():
+    from memtoc import dryrun, models
+    spec = models.get_model("llama-3.3-70b-instruct-awq")
+    one = dryrun.estimate_model(spec, "vllm", "float16", {"quantization": "awq_marlin"})
+    two = dryrun.estimate_model(spec, "vllm", "float16", {"quantization": "awq_marlin", "tensor_parallel_size": 2})
+    assert (one["gpus"], two["gpus"]) == (1, 2) and two["weights_gb"] == one["weights_gb"]
+    assert two["gpu_gb"] == pytest.approx((one["weights_gb"] / 2 + dryrun.KV_CACHE_GB) / 0.9)
+    assert two["gpu_class"] < one["gpu_class"]                      # the 70B point on two smaller GPUs
+    assert "2 x " in dryrun.memory_line("x", spec, two, "vllm") and "per GPU" in dryrun.memory_line("x", spec, two, "vllm")
+    bf16 = models.get_model("llama-3.1-8b-instruct")
+    assert dryrun.estimate_model(bf16, "transformers", "bfloat16", {"tensor_parallel_size": 4})["gpus"] == 1
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        dryrun.estimate_model(spec, "vllm", "float16", {"tensor_parallel_size": 0})
+    P = load_params(REPO_ROOT / "params" / "scale70b.yaml")
+    P["backend_options"] = {**P["backend_options"], "tensor_parallel_size": 2}
+    assert dryrun.dry_run_json(P, source="scale70b+tp2")["gpus_per_model"] == 2
