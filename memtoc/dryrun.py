@@ -48,8 +48,8 @@ GEN_TOKENS_PER_S_8B_BF16 = {"vllm": 2500.0, "transformers": 600.0}   # one A100-
 TRAIN_TOKENS_PER_EXAMPLE = 200          # with-tool prompt (~170 tokens) + a short completion
 GPU_TFLOPS, MFU = 312.0, 0.35           # A100 bf16 peak, assumed utilisation of LoRA training
 ACT_GB_PER_TOKEN_PER_B = 0.0004         # activations per token per billion parameters: gives ~43 GB for
-                                        # Llama-3.1-8B, batch 8, 512 tokens, no checkpointing (issue 18's
-                                        # review estimate: 40-46 GB); not measured here
+                                        # Llama-3.1-8B, batch 8, 512 tokens, no checkpointing (a review
+                                        # estimate: 40-46 GB); an estimate, not a measurement
 GPU_CLASSES_GB = (24, 40, 48, 80)       # common single GPUs; beyond 80 GB one GPU does not suffice
 GEN_NEW_TOKEN_SHARE = 0.5              # a chat model's mean reply, as a share of max_new_tokens (assumed)
 BASE_LINE_TOKENS = 16                  # a base model's first line (measured on gemma-3-270m: ~16 new tokens)

@@ -17,7 +17,7 @@ eager-attention reference of the same weights:
 * replies: memtoc's batched greedy replies (compact decode loop, shared-prefix prefill where the
   model allows it) equal ``model.generate`` on each prompt alone.
 
-DPO case: one trl DPO step with the paper's LoRA settings (``finetune.FT_DEFAULTS``: r 16, alpha 32
+DPO case: one trl DPO step with the paper's LoRA settings (``blockconfig.FinetuneConfig`` defaults: r 16, alpha 32
 on q/k/v/o, beta 0.1, batch 8, bf16 base weights, max length 512) through memtoc's trainer
 (``finetune.make_trainer``) on a full-size Llama-3.1-8B config with random weights (GPU; ``--tiny``:
 a tiny Llama config), reporting the peak GPU memory and seconds per step.

@@ -23,7 +23,7 @@ from .config import REPO_ROOT, MemtocError
 from .runconfig import RunPaths
 
 LOCK_DIR = REPO_ROOT / "requirements"
-LOCK_FILES = ("cpu.lock", "gpu.lock")
+LOCK_FILES = ("cpu.lock", "gpu.lock", "gpu-cu12.lock")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;#]+)")
 
 

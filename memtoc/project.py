@@ -27,7 +27,8 @@ SOURCE_ROOT = PACKAGE_DIR.parent                  # the clone, for a source chec
 RESOURCES_DIR = PACKAGE_DIR / "_resources"        # the project files inside a wheel
 # what a project folder holds (relative paths; folders end in "/"), what a wheel bundles
 PROJECT_FILES: tuple[str, ...] = ("notebooks/", "params/", "paper/claims.yaml", "paper/published/",
-                                  "requirements/cpu.lock", "requirements/gpu.lock", "docs/departures.md")
+                                  "requirements/cpu.lock", "requirements/gpu.lock",
+                                  "requirements/gpu-cu12.lock", "docs/departures.md")
 
 
 def is_project_dir(path: Path) -> bool:

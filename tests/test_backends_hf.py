@@ -185,6 +185,11 @@ def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path):
     assert _by_prompt(prompts, again) == want
 
 
+def test_row_prefill_without_the_compact_loop_is_an_error(tiny_model_dir):
+    with pytest.raises(ConfigError, match="row_prefill needs the compact decode loop"):
+        _invariance_gen(tiny_model_dir, dtype="bfloat16", row_prefill=True, decode="generate")
+
+
 def test_bfloat16_row_prefill_is_the_canonical_forward(tiny_model_dir):
     """The row prefill gives the canonical first logits: equal, bit for bit, to a batch-1 unpadded
     forward of each prompt, where the padded batched prefill does not have to."""

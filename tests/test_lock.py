@@ -97,3 +97,16 @@ def test_verify_notes_other_versions(tmp_path, monkeypatch):
     row = next(r for r in res.rows if r.id == "report:versions")
     assert row.status == "NOTE" and "transformers 4.0.0 (lock 5.24.0)" in row.detail
     assert row not in res.failures
+
+
+def test_cuda12_lock_pins_inside_pyproject_ranges_and_is_shipped():
+    from memtoc import project
+    pins = lock.read_lock(REPO_ROOT / "requirements" / "gpu-cu12.lock")
+    proj = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    for r in [Requirement(x) for x in proj["dependencies"] + proj["optional-dependencies"]["gpu"]]:
+        name = lock.canonical(r.name)
+        if name in pins:
+            assert r.specifier.contains(pins[name]), f"gpu-cu12.lock {name}=={pins[name]} outside {r}"
+    assert re.fullmatch(r"2\.10\.\d+", pins["torch"]) and "vllm" in pins      # the CUDA 12.8 build
+    assert "gpu-cu12.lock" in lock.LOCK_FILES and "requirements/gpu-cu12.lock" in project.PROJECT_FILES
+    assert "requirements/gpu-cu12.lock" in (REPO_ROOT / "MANIFEST.in").read_text()

@@ -53,8 +53,13 @@ def recompute(work: Path) -> None:
     summaries = work / "summaries"
     summaries.mkdir(parents=True, exist_ok=True)
     bench = load_benchmark(P["release_dir"])
+    try:                                   # typed configs (issue 23): stage functions take the RunConfig
+        from memtoc.runconfig import RunConfig
+        cfg = RunConfig.of(P)
+    except ImportError:
+        cfg = P
     # 01: construction.json
-    episodes = run_episodes(bench, P)
+    episodes = run_episodes(bench, cfg)
     s = construct.construction_summary(bench, episodes)
     (summaries / "construction.json").write_text(json.dumps(s, indent=1, ensure_ascii=False, default=str))
     # 02: elicitation.json (the closed-book answers are read back, not regenerated)
@@ -72,8 +77,8 @@ def recompute(work: Path) -> None:
     # 03: evaluation.json from the scored files
     scored = {m: evaluation.read_scored(work, m) for m in P["models"]}
     memory = {m: elicitation.load_memory(work, m, P["closed_book_variant"]) for m in P["models"]}
-    s = analyses.evaluation_summary(scored, memory, P)
-    s = judge.add_judged(s, scored, P)
+    s = analyses.evaluation_summary(scored, memory, cfg)
+    s = judge.add_judged(s, scored, cfg)
     analyses.write_summary(s, work)
     # 08: claims.json / report.md
     report.build_report(work)

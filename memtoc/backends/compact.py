@@ -45,8 +45,8 @@ class CompactLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys / values live in one buffer allocated at the prefill (prompt +
     ``max_new_tokens`` columns, the unfilled ones zero); a decode step writes its column in place.
     ``DynamicLayer`` instead concatenates, i.e. allocates and copies the whole cache at every step
-    and every layer (60 concatenations of 64 x 3 x 230 x 64 bf16 took ~190 ms on one thread of this
-    CPU, on a busy machine).
+    and every layer (60 concatenations of 64 x 3 x 230 x 64 bf16 took ~190 ms on one thread of a
+    2-core CPU under load).
 
     A one-token step gets the *whole* buffer of the live rows back, ``buf[:rows]``: contiguous,
     because a view of only the filled columns is strided and the CPU bf16 batched matmul copies a

@@ -188,6 +188,10 @@ class TransformersGenerator(CompactDecoder, Generator):
         if why is not None and self.decode == "compact":
             log.warning("%s: the compact decode loop does not support this model (%s); using "
                         "model.generate", spec.name, why)
+        if self.row_prefill and (why is not None or self.decode != "compact"):
+            raise ConfigError(f"transformers backend option row_prefill needs the compact decode loop "
+                              f"(decode: compact), which {'is off' if why is None else 'cannot run: ' + why}; "
+                              "remove row_prefill")
         super().__init__({
             "model": spec.name, "weights_sha256": weights_hash(self.path, cache_dir),
             "adapter_sha256": a_hash, "backend": self.backend,

@@ -23,7 +23,7 @@ class ProbesConfig(Block):
     bands: dict = field(default_factory=dict)      # {model: [lo, hi]} inclusive source layers; default: the top
                                                    # default_band_layers
     default_band_layers: int = 4
-    lens_files: dict = field(default_factory=dict)  # {model: lens.pt} a published or earlier lens; else fitted
+    lens_files: dict = field(default_factory=dict)  # {model: path | URL | hf://owner/repo/path | {url, sha256}}; else fitted
     lens_fit_prompts: int = 1                      # fit-corpus documents (exact estimator; cost: params/probes.yaml)
     lens_max_seq_len: int = 24
     lens_skip_first: int = 4                       # transformer-lens's default is 16 with 128-token prompts
@@ -35,9 +35,9 @@ class ProbesConfig(Block):
     n_control: int = 5                             # other questions' answers per prompt
     # SAE
     sae_layers: dict = field(default_factory=dict)  # {model: [layers]}; default: the band's middle layer
-    sae_files: dict = field(default_factory=dict)   # {model: {layer: dir}} pretrained dictionaries (sae-lens layout)
+    sae_files: dict = field(default_factory=dict)   # {model: {layer: dir}} ReLU/JumpReLU/TopK (sae-lens, GemmaScope, Llama Scope layouts)
     dictionaries: dict = field(default_factory=dict)   # {model: {release, sae_id, layer}} the paper's public
-                                                   # dictionaries (recorded; used when a local topk copy is named in
+                                                   # dictionaries (recorded; used when a local copy is named in
                                                    # sae_files, else one is trained)
     sae_expansion: int = 4
     sae_k: int = 16
