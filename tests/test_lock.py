@@ -74,15 +74,17 @@ def test_cpu_lock_is_complete_exact_and_inside_pyproject_ranges():
     assert all(r.specifier and any(s.operator == "<" for s in r.specifier) for r in gpu)  # vllm bounded
 
 
-def test_gpu_lock_pins_inside_pyproject_ranges():
-    pins = lock.read_lock(REPO_ROOT / "requirements" / "gpu.lock")
+@pytest.mark.parametrize("name, torch_pin", [("gpu.lock", r"2\.14\.\d+"),        # vLLM 0.33's torch: CUDA 13
+                                              ("gpu-cu12.lock", r"2\.10\.\d+")])  # vLLM 0.19.1's: CUDA 12.8
+def test_gpu_locks_pin_inside_pyproject_ranges(name, torch_pin):
+    pins = lock.read_lock(REPO_ROOT / "requirements" / name)
     proj = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     for r in [Requirement(x) for x in proj["dependencies"] + proj["optional-dependencies"]["gpu"]]:
-        name = lock.canonical(r.name)
-        if name in pins:
-            assert r.specifier.contains(pins[name]), f"gpu.lock {name}=={pins[name]} outside {r}"
+        n = lock.canonical(r.name)
+        if n in pins:
+            assert r.specifier.contains(pins[n]), f"{name} {n}=={pins[n]} outside {r}"
     assert {"vllm", "torch", "transformers"} <= set(pins)
-    assert re.fullmatch(r"2\.14\.\d+", pins["torch"])    # vLLM's torch: the CUDA-13 build
+    assert re.fullmatch(torch_pin, pins["torch"])
 
 
 def test_verify_notes_other_versions(tmp_path, monkeypatch):
@@ -99,14 +101,7 @@ def test_verify_notes_other_versions(tmp_path, monkeypatch):
     assert row not in res.failures
 
 
-def test_cuda12_lock_pins_inside_pyproject_ranges_and_is_shipped():
+def test_the_cuda12_lock_is_shipped_and_known():
     from memtoc import project
-    pins = lock.read_lock(REPO_ROOT / "requirements" / "gpu-cu12.lock")
-    proj = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    for r in [Requirement(x) for x in proj["dependencies"] + proj["optional-dependencies"]["gpu"]]:
-        name = lock.canonical(r.name)
-        if name in pins:
-            assert r.specifier.contains(pins[name]), f"gpu-cu12.lock {name}=={pins[name]} outside {r}"
-    assert re.fullmatch(r"2\.10\.\d+", pins["torch"]) and "vllm" in pins      # the CUDA 12.8 build
     assert "gpu-cu12.lock" in lock.LOCK_FILES and "requirements/gpu-cu12.lock" in project.PROJECT_FILES
     assert "requirements/gpu-cu12.lock" in (REPO_ROOT / "MANIFEST.in").read_text()
