@@ -28,6 +28,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .config import MemtocError  # noqa: E402
+from .metrics import metric_spec  # noqa: E402
 from .vocab import BASELINE_ARM, CONFLICT_CONDITIONS, DEFAULT_FRAME, FOUR_CELLS, HEADLINE_METRICS  # noqa: E402
 
 METRIC_LABELS = {
@@ -40,6 +41,18 @@ METRIC_LABELS = {
     "agree_acc": "Agreement\naccuracy",
     "nc_acc": "No-conflict accuracy\n(= correct-tool following\nunder greedy decoding)",
 }
+
+
+def metric_label(name: str) -> str:
+    """A metric's axis label: the two-line form above, else the registry's ``MetricSpec.label``."""
+    if name in METRIC_LABELS:
+        return METRIC_LABELS[name]
+    try:
+        return metric_spec(name).label
+    except (KeyError, MemtocError):
+        return name
+
+
 FORM_ORDER = ("reference", "paraphrase_a", "paraphrase_b", "pooled")
 
 
@@ -146,7 +159,7 @@ def headline(table: pd.DataFrame, path, metrics: Sequence[str] = HEADLINE_METRIC
             ax.errorbar(x, v, yerr=err, fmt="o" if f != "pooled" else "D", color=palette[f], label=f,
                         capsize=3, ms=5 if f != "pooled" else 6, lw=1.2)
         ax.set_xticks(np.arange(len(mets)))
-        ax.set_xticklabels([METRIC_LABELS.get(m, m) for m in mets], fontsize=8)
+        ax.set_xticklabels([metric_label(m) for m in mets], fontsize=8)
         ax.set_ylim(-0.03, 1.03)
         ax.set_title(model, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
@@ -181,7 +194,7 @@ def prompting_tradeoffs(contrasts: pd.DataFrame, path,
             lo = tmm["lo"].to_numpy(float)
             hi = tmm["hi"].to_numpy(float)
             ax.bar(x, np.nan_to_num(v), width=width * 0.9, color=palette[m],
-                   label=METRIC_LABELS.get(m, m).replace("\n", " "))
+                   label=metric_label(m).replace("\n", " "))
             err = np.vstack([np.where(np.isnan(lo), 0, v - lo), np.where(np.isnan(hi), 0, hi - v)])
             ax.errorbar(x, np.nan_to_num(v), yerr=np.nan_to_num(err), fmt="none", ecolor="k", capsize=3, lw=1)
         ax.axhline(0, color="k", lw=0.8)

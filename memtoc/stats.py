@@ -275,7 +275,8 @@ _EVAL, _FT, _PAIRED, _Z = "evaluation", "finetune", "sign-flip", "z-test"
 FAMILIES: dict[str, HolmFamily] = {f.name: f for f in (
     HolmFamily("prompting_retention", "retention", _EVAL, ("model", "strategy"), PROMPTING_ARMS, "instruct",
                EVERY_SLICE, _PAIRED, "prompting/{variant}/{contrasts}/{metric}",
-               "prompting: retention change over the instruction-tuned models x strategies (warn, prior, flag)"),
+               "prompting: retention change over the instruction-tuned models x strategies "
+               f"({', '.join(PROMPTING_ARMS)})"),
     HolmFamily("prompting_tool_follow", "tool_follow", _EVAL, ("model", "strategy"), PROMPTING_ARMS, "instruct",
                EVERY_SLICE, _PAIRED, "prompting/{variant}/{contrasts}/{metric}",
                "prompting: correct-tool following change over the instruction-tuned models x strategies "

@@ -71,3 +71,13 @@ def test_save_creates_folders_and_closes(tmp_path):
     n_before = len(plt.get_fignums())
     p = figures.save(fig, tmp_path / "a" / "b" / "c.png")
     assert p.is_file() and len(plt.get_fignums()) == n_before - 1
+
+
+def test_a_metric_without_a_two_line_label_gets_the_registry_label():
+    from memtoc import metrics
+    extra = [m for m in metrics.METRICS if m not in figures.METRIC_LABELS]
+    assert extra                                           # e.g. keep_flag, bw_gold
+    for m in extra:
+        assert figures.metric_label(m) == metrics.metric_spec(m).label != m
+    assert figures.metric_label("retention") == figures.METRIC_LABELS["retention"]
+    assert figures.metric_label("not_a_metric") == "not_a_metric"
