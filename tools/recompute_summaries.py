@@ -3,7 +3,7 @@
     python tools/recompute_summaries.py REF_RUN_DIR WORK_ROOT [--diff-only]
 
 Copies the reference run's inputs (params.yaml, config.json, episodes/, scored/, and the summaries of
-the stages that need a model: finetuning.json, transfer.json) into WORK_ROOT/<the reference's run name> (so
+the stages that need a model: finetuning.json, transfer.json, probes.json, agent.json) into WORK_ROOT/<the reference's run name> (so
 the run name is the same), then re-runs, with no model, what notebooks 01, 02, 03 and 08 compute from them:
 ``summaries/construction.json``, ``elicitation.json``, ``evaluation.json`` and ``paper/claims.json``.
 Each is compared line by line (JSON re-dumped with sorted keys) with the reference file; the exit
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 COPY = ("params.yaml", "config.json", "episodes", "scored", "summaries/finetuning.json",
-        "summaries/transfer.json")
+        "summaries/transfer.json", "summaries/probes.json", "summaries/agent.json")
 COMPARED = ("summaries/construction.json", "summaries/elicitation.json", "summaries/evaluation.json",
             "paper/claims.json")
 
@@ -34,6 +34,16 @@ def prepare(ref: Path, work: Path) -> None:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+
+
+def _write(work: Path, stage: str, summary: dict, old_dump) -> None:
+    """A summary written as the notebooks write it (RunPaths' one writer, so the bytes, and the claims'
+    sha256 of their source files, compare); an older tree without it: its notebooks' plain dump."""
+    try:
+        from memtoc.runconfig import RunPaths
+        RunPaths(work).write_summary(stage, summary)
+    except (ImportError, AttributeError):
+        (work / "summaries" / f"{stage}.json").write_text(old_dump())
 
 
 def recompute(work: Path) -> None:
@@ -61,7 +71,7 @@ def recompute(work: Path) -> None:
     # 01: construction.json
     episodes = run_episodes(bench, cfg)
     s = construct.construction_summary(bench, episodes)
-    (summaries / "construction.json").write_text(json.dumps(s, indent=1, ensure_ascii=False, default=str))
+    _write(work, "construction", s, lambda: json.dumps(s, indent=1, ensure_ascii=False, default=str))
     # 02: elicitation.json (the closed-book answers are read back, not regenerated)
     questions = select_questions(bench.analysis, P["n_questions"], P["seed"])
     variants = [P["closed_book_variant"]]
@@ -73,7 +83,7 @@ def recompute(work: Path) -> None:
         "run_name": P["run_name"], "matcher": P["matcher"], "n_questions": len(questions),
         "formulations": P["formulations"], "primary_variant": P["closed_book_variant"], "variants": variants,
         "backend": P["backend"]})
-    (summaries / "elicitation.json").write_text(json.dumps(s, indent=1))
+    _write(work, "elicitation", s, lambda: json.dumps(s, indent=1))
     # 03: evaluation.json from the scored files
     scored = {m: evaluation.read_scored(work, m) for m in P["models"]}
     memory = {m: elicitation.load_memory(work, m, P["closed_book_variant"]) for m in P["models"]}
