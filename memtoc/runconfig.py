@@ -227,7 +227,7 @@ class RunConfig(Mapping):
     source: str = "<params>"            # the params file (for error messages)
     # parameters of config.DEFAULTS without a typed field yet (a stage added its block): readable as
     # cfg[key] / cfg.key; tests/test_runconfig.py asks for a typed field
-    extra: dict = field(default_factory=dict)
+    untyped: dict = field(default_factory=dict)
     # the stage blocks as the params file gives them (the mapping view and config.json read these)
     blocks: dict = field(default_factory=dict, repr=False)
 
@@ -256,9 +256,9 @@ class RunConfig(Mapping):
                   base_formulations=None if p["base_formulations"] is None else tuple(p["base_formulations"]),
                   extra_arms=tuple(p["extra_arms"]),
                   judge=None if j is None else JudgeConfig(**j), **resolve_blocks(p, source))
-        extra = {k: p[k] for k in DEFAULTS if k not in typed}
+        untyped = {k: p[k] for k in DEFAULTS if k not in typed}
         blocks = {k: p[k] for k in ("finetune", "transfer", "probes", "agent")}
-        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source, extra=extra,
+        return cls(**kw, run_dir=Path(rd) if rd is not None else run_dir(p), source=source, untyped=untyped,
                    blocks=blocks)
 
     def with_release_resolved(self) -> "RunConfig":
@@ -297,9 +297,9 @@ class RunConfig(Mapping):
 
     # -- the Mapping protocol: a RunConfig reads like the old flat dict -------------------------
     def __getattr__(self, name: str) -> Any:       # only for names that are not fields
-        extra = self.__dict__.get("extra") or {}
-        if name in extra:
-            return extra[name]
+        untyped = self.__dict__.get("untyped") or {}
+        if name in untyped:
+            return untyped[name]
         raise AttributeError(f"'RunConfig' object has no attribute {name!r}")
 
     def __getitem__(self, key: str) -> Any:
@@ -326,7 +326,7 @@ def _keys() -> tuple[str, ...]:
 
 
 def _typed_fields() -> set[str]:
-    return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "extra", "blocks"}
+    return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "untyped", "blocks"}
 
 
 __all__ = ["RunConfig", "RunPaths", "AgentConfig", "FinetuneConfig", "JudgeConfig", "ProbesConfig", "TransferConfig",

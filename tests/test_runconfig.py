@@ -28,7 +28,7 @@ def test_every_parameter_has_a_typed_field():
     asks for a typed field: this test names the missing ones."""
     from memtoc.runconfig import _typed_fields
     assert set(DEFAULTS) - _typed_fields() == set(), "add a typed field to memtoc.runconfig.RunConfig"
-    assert RunConfig.of({}).extra == {}
+    assert RunConfig.of({}).untyped == {}
 
 
 def test_of_accepts_a_partial_dict_with_run_dir_and_is_idempotent(tmp_path):
