@@ -221,6 +221,12 @@ def read_scored(run_dir, model_label: str | None = None, folder: str = "scored",
 # notebook helpers (thin glue; I/O at the edge)
 
 
+def memory_rows(mem: pd.DataFrame, need: set) -> pd.DataFrame:
+    """The rows of a closed-book memory frame whose (formulation, qkey) is in ``need``, in order."""
+    keep = [(f, q) in need for f, q in zip(mem["formulation"], mem["qkey"])]
+    return mem[keep].reset_index(drop=True)
+
+
 def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Episode],
                   cfg: RunConfig) -> pd.DataFrame:
     """The closed-book memory frame covering every (formulation, qkey) of ``episodes``.
@@ -236,8 +242,7 @@ def ensure_memory(generator, model_label: str, benchmark, episodes: Sequence[Epi
         mem = elicitation.load_memory(cfg.run_dir, model_label, variant)
         have = set(zip(mem["formulation"], mem["qkey"]))
         if need <= have:
-            keep = [(f, q) in need for f, q in zip(mem["formulation"], mem["qkey"])]
-            return mem[keep].reset_index(drop=True)
+            return memory_rows(mem, need)
         print(f"{model_label}: the closed-book answers of notebook 02 miss {len(need - have)} "
               "(formulation, question) pairs; eliciting them now")
     except DataError:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd
-import yaml
 
 from . import analyses, elicitation, evaluation, figures, report, tables
 from .config import ConfigError, DataError
-from .io import atomic_write_text, plain, sha256_file, write_json
+from .io import plain, sha256_file, write_json
 from .pipeline import NON_RESULT_KEYS, stage_record
 from .runconfig import RunConfig, RunPaths
 
@@ -155,8 +154,7 @@ def recompute_evaluation(cfg: RunConfig) -> Path:
     for m in cfg.models:
         scored[m] = evaluation.read_scored(cfg.run_dir, m)
         mem = elicitation.load_memory(cfg.run_dir, m, cfg.closed_book_variant)
-        need = set(zip(scored[m]["formulation"], scored[m]["qkey"]))
-        memory[m] = mem[[k in need for k in zip(mem["formulation"], mem["qkey"])]].reset_index(drop=True)
+        memory[m] = evaluation.memory_rows(mem, set(zip(scored[m]["formulation"], scored[m]["qkey"])))
     summary = analyses.evaluation_summary(scored, memory, cfg)
     path = analyses.write_summary(summary, cfg.run_dir)
     figures.source_matrix(pd.concat(scored.values(), ignore_index=True), cfg.paths.figure("source_matrix"))
@@ -179,9 +177,7 @@ def write_record(out: Path, shards: Sequence[Path], configs: Sequence[dict[str, 
     records of the stages recomputed here (so `memtoc run OUT/params.yaml --only ...` accepts them)."""
     paths = RunPaths(out)
     digest = _fact(configs[0], "provenance.release.digest")
-    atomic_write_text(paths.params_yaml, "# Resolved parameters of this run, written by `memtoc merge`; every "
-                      "notebook reads this file.\n" + yaml.safe_dump(plain(params), sort_keys=False,
-                                                                     allow_unicode=True))
+    paths.write_params(params, "`memtoc merge`; every notebook reads this file.")
     finished = max(str(c.get("finished") or "") for c in configs)
     stages = {s: stage_record(params, s[:2], digest, finished) for s in done}
     write_json(paths.config_json, {

@@ -42,13 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
 from IPython import get_ipython
 from papermill.cli import papermill as pm_command
 
 from . import pipeline, progress, runlock
 from .config import DEFAULTS, REPO_ROOT, ConfigError, _merge, load_params, run_dir, validate_params
-from .io import atomic_write_text, plain, write_json
+from .io import write_json
 from .runconfig import RunConfig, RunPaths
 
 INTERACTIVE_PARAMS = "params/smoke.yaml"   # a notebook run by hand, nothing injected
@@ -259,9 +258,7 @@ class _Bookkeeping:
             raise pipeline.PipelineError(
                 f"{self.notebook.name} would read outputs computed with other parameters: " + " | ".join(stale)
                 + "; run the earlier notebooks with these parameters first (or `memtoc run`), or use another run_name")
-        params_file = RunPaths(self.rd).params_yaml
-        atomic_write_text(params_file, "# Resolved parameters of this run, written by memtoc.nb.setup (papermill).\n"
-                          + yaml.safe_dump(plain(self.params), sort_keys=False, allow_unicode=True))
+        params_file = RunPaths(self.rd).write_params(self.params, "memtoc.nb.setup (papermill).")
         self.entry = {"notebook": self.step.name if self.step else self.notebook and self.notebook.stem,
                       "source": str(self.notebook) if self.notebook else None, "executed": self.call.output,
                       "started": pipeline._now(), "status": "running", "via": "papermill"}

@@ -55,7 +55,7 @@ import yaml
 from . import models, progress, runlock
 from . import stages as stages_mod
 from .benchmark import load_benchmark
-from .io import atomic_write_text, plain, sha256_file, sha256_json, write_json
+from .io import plain, sha256_file, sha256_json, write_json
 from .gpuenv import check_gpu
 from .servers import check_servers
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir, run_dir
@@ -503,9 +503,7 @@ def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[P
             + f". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
             "or use another run_name")
     paths.notebooks.mkdir(parents=True, exist_ok=True)
-    params_file = paths.params_yaml
-    atomic_write_text(params_file, "# Resolved parameters of this run, written by `memtoc run`; every notebook reads "
-                      "this file.\n" + yaml.safe_dump(plain(params), sort_keys=False, allow_unicode=True))
+    params_file = paths.write_params(params, "`memtoc run`; every notebook reads this file.")
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:

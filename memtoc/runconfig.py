@@ -22,7 +22,9 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 from .blockconfig import AgentConfig, FinetuneConfig, JudgeConfig, ProbesConfig, TransferConfig, resolve_blocks
 from .config import DEFAULTS, ConfigError, load_params, resolve_release_dir, run_dir, validate_params
-from .io import write_json
+import yaml
+
+from .io import atomic_write_text, plain, write_json
 from .vocab import Backend, ClosedBookVariant, Formulation, Matcher
 
 #: the advisory lock file of a run directory (``memtoc.runlock``)
@@ -97,6 +99,12 @@ class RunPaths:
         """Write ``summaries/<stage>.json`` atomically (JSON-safe values, ``io.plain``: NaN is null);
         every stage's summary goes through here, so they share one format."""
         return write_json(self.summary(stage), summary)
+
+    def write_params(self, params: Mapping[str, Any], written_by: str) -> Path:
+        """Write ``params.yaml`` (the resolved parameters every notebook reads) atomically, under a
+        comment naming ``written_by``; ``memtoc run``, papermill runs and ``memtoc merge`` all go here."""
+        return atomic_write_text(self.params_yaml, f"# Resolved parameters of this run, written by {written_by}\n"
+                                 + yaml.safe_dump(plain(params), sort_keys=False, allow_unicode=True))
 
     def figure(self, name: str) -> Path:
         """``figures/<name>.png``."""

@@ -15,6 +15,7 @@ import inspect
 from typing import Optional
 
 import torch
+import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ..config import MemtocError
@@ -35,7 +36,6 @@ def cache_keyword(model) -> str:
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
-    import transformers
     raise GenerationError(f"{type(model).__name__}.forward (transformers {transformers.__version__}) takes "
                           "neither `cache` nor `past_key_values`; set the transformers backend option "
                           "decode: generate, or install transformers >= 5.20")
@@ -219,7 +219,6 @@ class CompactDecoder:
         out = self.model(**{self.cache_kw: cache}, use_cache=True, return_dict=True, **kw)
         got = cache.get_seq_length()
         if got != expect:
-            import transformers
             raise GenerationError(
                 f"transformers {transformers.__version__}: {type(self.model).__name__} did not fill the KV cache "
                 f"passed as `{self.cache_kw}` ({got} columns, expected {expect}); the compact decode loop cannot "
