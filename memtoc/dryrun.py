@@ -39,7 +39,8 @@ from .config import ConfigError
 from .episodes import run_episodes
 from .gpuenv import gpu_needs
 from .pipeline import plan, preflight, resolve_paths
-from .runconfig import RunConfig
+from .blockconfig import FinetuneConfig
+from .runconfig import RunConfig, expect_config
 from .transfer import core as transfer
 from .transfer import source as transfer_source
 
@@ -111,12 +112,12 @@ def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_
     return n_requests * (GEN_NEW_TOKEN_SHARE * max_new_tokens if new_tokens is None else new_tokens) / rate
 
 
-def finetune_requests(P: dict[str, Any], ft: dict[str, Any], bench) -> dict[str, int]:
+def finetune_requests(cfg: RunConfig, ft: FinetuneConfig, bench) -> dict[str, int]:
     """Notebook 04's work per fine-tuned model (``finetune.run``): adapters, training examples,
     with-tool evaluation requests (untreated + every adapter on its held-out fold) and the adapters'
     own forced closed-book requests (held-out questions x formulations, per objective)."""
-    plans, examples = finetune.plan(P, bench)
-    n_forms = len(RunConfig.of(P).formulations)
+    plans, examples = finetune.plan(cfg, bench)
+    n_forms = len(cfg.formulations)
     n_obj = len(ft["objectives"])
     n_held = sum(len(p.eval_questions) for p in plans)
     with_tool = n_held * len(ft["eval_conditions"]) * n_forms
@@ -124,13 +125,13 @@ def finetune_requests(P: dict[str, Any], ft: dict[str, Any], bench) -> dict[str,
             "with_tool": with_tool * (1 + n_obj), "adapter_closed_book": n_obj * n_held * n_forms}
 
 
-def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapters_of_04: bool) -> dict[str, int]:
+def transfer_requests(cfg: RunConfig, ft: FinetuneConfig, model: str, adapters_of_04: bool) -> dict[str, int]:
     """Notebook 06's requests for ``model`` (``transfer.run``): the transfer episodes for the untreated
     model and each forward arm (``adapters_of_04``: 04's adapters exist or are read from
     ``adapters_from``, for a fine-tuned model), and with ``reverse`` the MemToC held-out episodes for
     the untreated model and the reverse adapter, the reverse adapter's own closed-book prompts, and
     its DPO training examples and steps."""
-    tr = transfer.transfer_params(P)
+    tr = cfg.transfer
     card = transfer_source.planned_counts(tr["dataset"])
     if card is None:
         cf, un = transfer.select_items(transfer_source.load(tr["dataset"])[0], tr)
@@ -147,7 +148,6 @@ def transfer_requests(P: dict[str, Any], ft: dict[str, Any], model: str, adapter
     out = {"episodes": episodes, "forward_arms": arms, "forward": episodes * (1 + arms),
            "reverse_with_tool": 0, "reverse_closed_book": 0, "reverse_examples": 0, "reverse_steps": 0}
     if tr["reverse"]:
-        cfg = RunConfig.of(P)
         n_forms = len(cfg.formulations)
         n_q = min(tr["reverse_eval_questions"], cfg.n_questions)
         steps = tr["reverse_max_steps"]
@@ -175,18 +175,18 @@ def memory_line(label: str, spec, e: dict[str, Any], backend: str, suffix: str =
             f"needs ~{e['gpu_gb']:.0f} GB{per} -> {gpu}{suffix}")
 
 
-def judge_memory(params: dict[str, Any], lines: list[str], cannot: list[str]) -> list[dict[str, Any]]:
+def judge_memory(cfg: RunConfig, lines: list[str], cannot: list[str]) -> list[dict[str, Any]]:
     """The judge engine's memory line (notebook 03 loads it after closing the run's generators, so
     it needs its own GPU share, not one beside theirs); [] without a judge or a parameter count."""
-    j = params.get("judge")
-    if not j:
+    j = cfg.judge
+    if j is None:
         return []
     try:
-        spec = models.get_model(j["model"])
+        spec = models.get_model(j.model)
     except models.ModelError:
-        spec = models.ModelSpec(j["model"], j["model"], "remote")
-    e = estimate_model(spec, j["backend"], params["dtype"], j.get("backend_options") or {})
-    lines.append(memory_line(f"judge {spec.name:<26}", spec, e, j["backend"],
+        spec = models.ModelSpec(j.model, j.model, "remote")
+    e = estimate_model(spec, j.backend, cfg.dtype, j.backend_options or {})
+    lines.append(memory_line(f"judge {spec.name:<26}", spec, e, j.backend,
                              " (loaded in 03 after the run's generators are closed)"))
     if e["weights_gb"] is None:
         return []
@@ -220,9 +220,9 @@ class StagePlan:
 
 @dataclass
 class Context:
-    """What the estimators share: the parameters, the data, the models and their memory."""
+    """What the estimators share: the run's configuration, the data, the models and their memory."""
 
-    params: dict[str, Any]
+    cfg: RunConfig
     bench: Any
     ft: Any
     specs: list
@@ -235,7 +235,7 @@ class Context:
     variants: int
 
 
-def new_tokens(spec: models.ModelSpec, backend: str, params: dict[str, Any], max_new_tokens: int) -> float:
+def new_tokens(spec: models.ModelSpec, backend: str, max_new_tokens: int) -> float:
     """Expected new tokens per request: a base model's first line (~16 tokens) where the backend stops
     there while decoding (transformers), its whole budget on vLLM and OpenAI servers (the line is cut
     after generation); a chat model ``GEN_NEW_TOKEN_SHARE`` of its budget."""
@@ -245,10 +245,9 @@ def new_tokens(spec: models.ModelSpec, backend: str, params: dict[str, Any], max
 
 
 def gen_time(ctx: Context, spec, n: int, backend: Optional[str] = None, max_new_tokens: Optional[int] = None):
-    backend = backend or ctx.params["backend"]
-    mnt = max_new_tokens or ctx.params["max_new_tokens"]
-    return gen_seconds(n, ctx.est[spec.name]["weights_gb"], backend, mnt,
-                       new_tokens(spec, backend, ctx.params, mnt))
+    backend = backend or ctx.cfg.backend
+    mnt = max_new_tokens or ctx.cfg.max_new_tokens
+    return gen_seconds(n, ctx.est[spec.name]["weights_gb"], backend, mnt, new_tokens(spec, backend, mnt))
 
 
 def _per_model(plan: StagePlan, ctx: Context, rows: list[tuple[Any, int, Optional[float], str]]) -> StagePlan:
@@ -268,26 +267,26 @@ def _per_model(plan: StagePlan, ctx: Context, rows: list[tuple[Any, int, Optiona
 
 
 def estimate_elicitation(ctx: Context, step) -> StagePlan:
-    p = ctx.params
-    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
-                     data=f"{p['n_questions']} questions x {ctx.n_forms} formulations x {ctx.variants} variant(s)")
+    p = ctx.cfg
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p.backend,
+                     data=f"{p.n_questions} questions x {ctx.n_forms} formulations x {ctx.variants} variant(s)")
     plan.lines.append(f"  {step.name:<18} {ctx.n02} requests per model (closed-book: {plan.data})")
     return _per_model(plan, ctx, [(s, ctx.n02, gen_time(ctx, s, ctx.n02), "") for s in ctx.specs])
 
 
 def estimate_evaluation(ctx: Context, step) -> StagePlan:
-    p = ctx.params
-    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
+    p = ctx.cfg
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p.backend,
                      data="with-tool episodes (core conditions + extra arms), closed-book served by 02")
     plan.lines.append(f"  {step.name:<18} {ctx.n03} requests per model ({plan.data})")
     _per_model(plan, ctx, [(s, ctx.n03, gen_time(ctx, s, ctx.n03), "") for s in ctx.specs])
-    if p.get("judge"):
-        plan.lines.append(f"      judged layer: about {ctx.n03} judge requests per model with {p['judge']['model']}")
+    if p.judge is not None:
+        plan.lines.append(f"      judged layer: about {ctx.n03} judge requests per model with {p.judge.model}")
     return plan
 
 
 def estimate_finetuning(ctx: Context, step) -> StagePlan:
-    ft, p = ctx.ft, ctx.params
+    ft, p = ctx.ft, ctx.cfg
     fr = finetune_requests(p, ft, ctx.bench)
     n_eval, n_train = fr["with_tool"] + fr["adapter_closed_book"], fr["train_examples"]
     plan = StagePlan(step.name, True, device=ctx.device, backend="transformers",
@@ -308,8 +307,8 @@ def estimate_finetuning(ctx: Context, step) -> StagePlan:
         pb = spec.params_b
         tokens = n_train * ft["epochs"] * TRAIN_TOKENS_PER_EXAMPLE
         t_train = sum(tokens * (6 if o == "sft" else 16) * pb * 1e9 for o in ft["objectives"]) / (GPU_TFLOPS * 1e12 * MFU)
-        t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", p["max_new_tokens"],
-                             new_tokens(spec, "transformers", p, p["max_new_tokens"])) or 0.0
+        t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", p.max_new_tokens,
+                             new_tokens(spec, "transformers", p.max_new_tokens)) or 0.0
         act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb / (4 if ft["gradient_checkpointing"] else 1)
         mem = pb * 2.0 + act
         cls = _gpu_class(mem)
@@ -343,7 +342,7 @@ def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
 
 
 def estimate_probes(ctx: Context, step) -> StagePlan:
-    pr = RunConfig.of(ctx.params).probes
+    pr = ctx.cfg.probes
     plan = StagePlan(step.name, True, device=ctx.device, backend="transformers (float32)",
                      data=f"lens fit {pr.lens_fit_prompts} x {pr.lens_max_seq_len} tokens, SAE {pr.sae_steps} steps on "
                           f"{pr.sae_prompts} prompts, {pr.steer_per_direction} steering episodes per direction")
@@ -359,9 +358,9 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
 
 
 def estimate_transfer(ctx: Context, step) -> StagePlan:
-    p, ft = ctx.params, ctx.ft
-    tr = transfer.transfer_params(p)
-    plan = StagePlan(step.name, True, device=ctx.device, backend=p["backend"],
+    p, ft = ctx.cfg, ctx.ft
+    tr = p.transfer
+    plan = StagePlan(step.name, True, device=ctx.device, backend=p.backend,
                      data=transfer_source.describe(tr["dataset"]))
     plan.lines.append(f"  {step.name:<18} requests per model: the transfer episodes for the untreated model and each "
                       "forward adapter" + ("; the MemToC held-out episodes for the untreated model and the reverse "
@@ -393,7 +392,7 @@ def _agent_questions(a) -> str:
 
 
 def estimate_agent(ctx: Context, step) -> StagePlan:
-    a = RunConfig.of(ctx.params).agent
+    a = ctx.cfg.agent
     device = "server" if a["runtime"] == "openai" else ctx.device
     plan = StagePlan(step.name, True, device=device, backend=a["runtime"],
                      data=f"{'/'.join(a['conditions'])} returns, slices {list(a['slices'])}")
@@ -405,7 +404,7 @@ def estimate_agent(ctx: Context, step) -> StagePlan:
                       + (f" and {len(a['sampling']['seeds'])} sampling seed(s)" if a["sampling"] else ""))
     rows = []
     for spec in ctx.specs:
-        aq = agent_core.planned_requests(ctx.params, spec.name)
+        aq = agent_core.planned_requests(ctx.cfg, spec.name)
         if not aq["episodes"]:
             continue
         t = (gen_time(ctx, spec, aq["requests_max"], "transformers", a["max_tokens_per_call"])
@@ -414,50 +413,50 @@ def estimate_agent(ctx: Context, step) -> StagePlan:
     return _per_model(plan, ctx, rows)
 
 
-def _context(params: dict[str, Any], steps, facts) -> Context:
-    episodes = run_episodes(facts["bench"], RunConfig.of(params))
-    n_forms = len(params["formulations"])
-    variants = 2 if params["elicit_permissive"] else 1
+def _context(cfg: RunConfig, steps, facts) -> Context:
+    episodes = run_episodes(facts["bench"], cfg)
+    n_forms = len(cfg.formulations)
+    variants = 2 if cfg.elicit_permissive else 1
     specs = []
-    for m in params["models"]:
+    for m in cfg.models:
         try:
             specs.append(models.get_model(m))
         except models.ModelError:
             specs.append(models.ModelSpec(m, m, "remote"))
-    device = ("server" if params["backend"] == "openai"
-              else "cuda" if gpu_needs(params) or str((params.get("backend_options") or {}).get("device", "")).startswith("cuda")
+    device = ("server" if cfg.backend == "openai"
+              else "cuda" if gpu_needs(cfg) or str((cfg.backend_options or {}).get("device", "")).startswith("cuda")
               else "cpu")
-    return Context(params, facts["bench"], facts["finetune"], specs, {}, device,
+    return Context(cfg, facts["bench"], facts["finetune"], specs, {}, device,
                    any(s.run and s.number == "04" for s in steps),
-                   params["n_questions"] * n_forms * variants, len(episodes), n_forms, variants)
+                   cfg.n_questions * n_forms * variants, len(episodes), n_forms, variants)
 
 
 def _memory_lines(ctx: Context, source: str) -> tuple[list[str], list]:
-    params = ctx.params
+    c = ctx.cfg
     lines = ["models (memory: weights; smallest single GPU that holds them with the backend's headroom)"]
     cannot: list[str] = []
     for spec in ctx.specs:
-        e = estimate_model(spec, params["backend"], params["dtype"], params["backend_options"] or {})
+        e = estimate_model(spec, c.backend, c.dtype, c.backend_options or {})
         ctx.est[spec.name] = e
-        lines.append(memory_line(f"{spec.name:<32}", spec, e, params["backend"]))
+        lines.append(memory_line(f"{spec.name:<32}", spec, e, c.backend))
         if e["weights_gb"] is not None and e["gpu_class"] is None:
             split = (" (vLLM: or split it with backend_options.tensor_parallel_size)"
-                     if params["backend"] == "vllm" else "")
+                     if c.backend == "vllm" else "")
             cannot.append(f"{spec.name} in {e['quant']} needs ~{e['gpu_gb']:.0f} GB of GPU memory per GPU, more than "
                           f"one 80 GB GPU; use a quantized checkpoint (e.g. AWQ-int4) or a smaller model{split}")
-    judge_est = judge_memory(params, lines, cannot)
+    judge_est = judge_memory(c, lines, cannot)
     if cannot:
         raise ConfigError(f"{source}: cannot run: " + "; ".join(cannot))
     return lines, judge_est
 
 
-def plan_stages(params: dict[str, Any], only: Optional[list[str]] = None,
+def plan_stages(cfg: RunConfig, only: Optional[list[str]] = None,
                 source: str = "<params>") -> tuple[Context, list[StagePlan], list[str], list]:
     """Every stage's estimate, through the stage registry's ``estimate`` hooks (memtoc/stages.py)."""
-    params = resolve_paths(params)
-    steps = plan(params, only)
-    facts = preflight(params, steps, source)
-    ctx = _context(params, steps, facts)
+    cfg = resolve_paths(expect_config(cfg, "dryrun.plan_stages"))
+    steps = plan(cfg, only)
+    facts = preflight(cfg, steps, source)
+    ctx = _context(cfg, steps, facts)
     mem_lines, judge_est = _memory_lines(ctx, source)
     registry = stages.by_number()
     out = []
@@ -477,13 +476,13 @@ def plan_stages(params: dict[str, Any], only: Optional[list[str]] = None,
     return ctx, out, mem_lines, judge_est
 
 
-def dry_run_json(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> dict[str, Any]:
+def dry_run_json(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<params>") -> dict[str, Any]:
     """``memtoc run PARAMS --dry-run --json``: ``{"stages": [...], "total_seconds", ...}``."""
-    ctx, plans, _, judge_est = plan_stages(params, only, source)
+    ctx, plans, _, judge_est = plan_stages(cfg, only, source)
     known = [p.seconds for p in plans if p.enabled]
     gpu = [e["gpu_gb"] for e in [*ctx.est.values(), *judge_est] if e.get("gpu_gb")] + \
           [p.gpu_gb for p in plans if p.gpu_gb]
-    return {"params": source, "run_name": ctx.params["run_name"], "backend": ctx.params["backend"],
+    return {"params": source, "run_name": ctx.cfg.run_name, "backend": ctx.cfg.backend,
             "models": [s.name for s in ctx.specs], "stages": [p.to_json() for p in plans],
             "total_seconds": sum(s for s in known if s is not None),
             "unestimated_stages": [p.stage for p in plans if p.enabled and p.seconds is None],
@@ -492,14 +491,14 @@ def dry_run_json(params: dict[str, Any], only: Optional[list[str]] = None, sourc
             "note": "estimates from the formulas in memtoc/dryrun.py (assumed constants, not measurements)"}
 
 
-def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: str = "<params>") -> str:
+def dry_run(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<params>") -> str:
     """The plan as text; raises ConfigError (one line) for what cannot run."""
-    ctx, plans, mem_lines, judge_est = plan_stages(params, only, source)
-    params = ctx.params
-    lines = [f"memtoc run {source} --dry-run: run {params['run_name']}, backend {params['backend']}, "
-             f"dtype {params['dtype']}, max_new_tokens {params['max_new_tokens']}",
-             f"release {params['release_dir']} ({len(ctx.bench.analysis)} analysis questions; "
-             f"{params['n_questions']} headline, {params['n_questions_extra']} for the extra arms)", ""]
+    ctx, plans, mem_lines, judge_est = plan_stages(cfg, only, source)
+    c = ctx.cfg
+    lines = [f"memtoc run {source} --dry-run: run {c.run_name}, backend {c.backend}, "
+             f"dtype {c.dtype}, max_new_tokens {c.max_new_tokens}",
+             f"release {c.release_dir} ({len(ctx.bench.analysis)} analysis questions; "
+             f"{c.n_questions} headline, {c.n_questions_extra} for the extra arms)", ""]
     lines += mem_lines
     lines += ["", "notebooks (requests per model; time per model on one A100-80GB, rough)"]
     for p in plans:
@@ -510,10 +509,10 @@ def dry_run(params: dict[str, Any], only: Optional[list[str]] = None, source: st
               + (" (plus the parts whose time is unknown)" if unknown else "")
               + "; statistics (n_boot, n_perm) and the report add minutes"]
     need = max((e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]) if ctx.est or judge_est else 0
-    if params["backend"] == "vllm":
+    if c.backend == "vllm":
         lines.append(f"needs: a CUDA GPU with at least {need} GB and the vllm package (pip install 'memtoc[gpu]')"
                      + ("; 04 trains and evaluates with transformers" if ctx.ft_on else ""))
-    elif params["backend"] == "transformers":
+    elif c.backend == "transformers":
         lines.append("needs: nothing beyond the CPU install (a GPU only makes it faster; the times above are "
                      "for one A100-80GB)")
     lines.append("estimates use the formulas in memtoc/dryrun.py (assumed constants, not measurements)")

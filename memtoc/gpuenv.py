@@ -1,9 +1,9 @@
 """Is there a usable GPU for what a run asks of one? Checked before any work starts.
 
-``gpu_needs(params)`` lists the stages a run configures for the GPU (a vLLM backend, a judge or an
+``gpu_needs(cfg)`` lists the stages a run configures for the GPU (a vLLM backend, a judge or an
 agent runtime on vLLM or CUDA, a transformers backend told ``device: cuda``); ``cuda_facts()``
 describes the machine (torch's CUDA build, whether a device answers, its name and free memory);
-``check_gpu(params, source)`` raises one ``ConfigError`` line when a stage needs a GPU the machine
+``check_gpu(cfg, source)`` raises one ``ConfigError`` line when a stage needs a GPU the machine
 does not have. ``memtoc run`` calls it before the first notebook, ``memtoc gpucheck`` before any
 check (unless ``--device cpu``). ``choose_lock(driver, torch_cuda)`` says which GPU lock
 (``requirements/gpu.lock``: CUDA 13; ``requirements/gpu-cu12.lock``: CUDA 12) fits a machine's NVIDIA
@@ -14,9 +14,12 @@ from __future__ import annotations
 import gc
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .config import ConfigError
+
+if TYPE_CHECKING:      # annotations only: gpuenv/servers sit below the run configuration
+    from .runconfig import RunConfig
 
 
 @dataclass(frozen=True)
@@ -58,25 +61,23 @@ def _on_gpu(backend: Optional[str], options: Optional[dict]) -> bool:
     return backend == "vllm" or device.startswith("cuda")
 
 
-def gpu_needs(params: dict[str, Any]) -> list[str]:
+def gpu_needs(cfg: RunConfig) -> list[str]:
     """Each part of the run that is configured for the GPU, as ``"what (setting)"``."""
     out = []
-    if _on_gpu(params.get("backend"), params.get("backend_options")):
-        out.append(f"generation (backend: {params.get('backend')})")
-    judge = params.get("judge") or {}
-    if judge and _on_gpu(judge.get("backend"), judge.get("backend_options")):
-        out.append(f"the judged layer (judge.backend: {judge.get('backend')})")
-    agent = params.get("agent") or {}
-    if agent.get("enabled", True) and _on_gpu(agent.get("runtime"), agent.get("runtime_options")):
-        out.append(f"the agent loop (agent.runtime: {agent.get('runtime')})")
+    if _on_gpu(cfg.backend, cfg.backend_options):
+        out.append(f"generation (backend: {cfg.backend})")
+    if cfg.judge is not None and _on_gpu(cfg.judge.backend, cfg.judge.backend_options):
+        out.append(f"the judged layer (judge.backend: {cfg.judge.backend})")
+    if cfg.agent.enabled and _on_gpu(cfg.agent.runtime, cfg.agent.runtime_options):
+        out.append(f"the agent loop (agent.runtime: {cfg.agent.runtime})")
     return out
 
 
-def check_gpu(params: dict[str, Any], source: str = "<params>", facts: Optional[CudaFacts] = None,
+def check_gpu(cfg: RunConfig, source: str = "<params>", facts: Optional[CudaFacts] = None,
               min_free_gib: float = 1.0) -> Optional[CudaFacts]:
     """Raise one ConfigError line when the run needs a GPU that is not there (or has no free memory);
     returns the facts (None when nothing needs a GPU)."""
-    needs = gpu_needs(params)
+    needs = gpu_needs(cfg)
     if not needs:
         return None
     facts = facts or cuda_facts()

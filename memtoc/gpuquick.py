@@ -19,6 +19,7 @@ from typing import Any, Optional
 from .config import load_params
 from .gpuenv import check_gpu
 from .models import EMBEDDED
+from .runconfig import RunConfig
 
 #: the tiny sizes: every stage runs, none for long (params/smoke.yaml's, smaller where it matters)
 QUICK: dict[str, Any] = {
@@ -71,10 +72,13 @@ def quick_overrides(plan: dict[str, Any], output_root: str) -> dict[str, Any]:
     return over
 
 
-def quick_params(plan_file: str, output_root: str) -> dict[str, Any]:
-    """The validated parameters of the tiny check of ``plan_file``."""
+def quick_config(plan_file: str, output_root: str, device: Optional[str] = None) -> RunConfig:
+    """The tiny check of ``plan_file``, validated; on ``device`` ``cpu`` a vLLM plan runs on transformers."""
     plan = load_params(plan_file)
-    return load_params(plan_file, overrides=quick_overrides(plan, output_root))
+    over = quick_overrides(plan, output_root)
+    if str(device or "").startswith("cpu") and plan["backend"] == "vllm":
+        over["backend"] = "transformers"        # the CPU path of the same plan
+    return RunConfig.of(load_params(plan_file, overrides=over), f"{plan_file} (gpucheck --quick)")
 
 
 def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] = None, log=print) -> int:
@@ -82,16 +86,14 @@ def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] 
     from . import pipeline   # the pipeline pulls in the notebooks' stack: loaded only when a check runs
 
     root = keep or tempfile.mkdtemp(prefix="memtoc-gpucheck-")
-    params = quick_params(plan_file, root)
+    cfg = quick_config(plan_file, root, device)
     if not str(device or "").startswith("cpu"):
-        check_gpu(dict(params, backend=params["backend"]), f"{plan_file} (gpucheck --quick)")
-    elif params["backend"] == "vllm":
-        params["backend"] = "transformers"        # the CPU path of the same plan
+        check_gpu(cfg, cfg.source)
     log(f"memtoc gpucheck --plan {plan_file} --quick: {EMBEDDED} through every enabled stage on "
-        f"{params['backend']}, 2 questions, outputs in {root}")
+        f"{cfg.backend}, 2 questions, outputs in {root}")
     t0 = time.time()
     try:
-        pipeline.run(params, source=f"{plan_file} (gpucheck --quick)")
+        pipeline.run(cfg, source=cfg.source)
     except pipeline.PipelineError as e:
         log(f"FAIL after {time.time() - t0:.0f} s: {e}")
         return 1

@@ -99,7 +99,7 @@ from .config import DEFAULTS, FORMULATIONS, ConfigError, MemtocError
 from .evaluation import read_scored, write_scored
 from .io import plain
 from .metrics import isna
-from .runconfig import RunConfig, RunPaths
+from .runconfig import RunConfig, RunPaths, expect_config
 from .scoring import canon
 
 TASKS = ("extract", "ack")
@@ -449,7 +449,7 @@ def changed_counts(det: pd.DataFrame, judged: pd.DataFrame) -> dict[str, int]:
 def load_judge(cfg: RunConfig):
     """The judge's Generator (``models.load_generator`` with the ``judge`` block's settings and the
     run's batch size, dtype and model cache). ``cfg``: the run configuration (or a params mapping)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "judge.load_judge")
     j = cfg.judge
     if j is None:
         raise ConfigError("no judge configured (parameter 'judge' is null)")
@@ -495,7 +495,7 @@ def add_judged(summary: dict, scored_by_model: dict[str, pd.DataFrame], cfg: Run
     With ``judge: null`` it returns ``summary`` itself, unchanged. ``generator``: an already
     loaded judge (tests); by default the configured one is loaded and closed here. ``cfg``: the run
     configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "judge.add_judged")
     j = cfg.judge
     if j is None:
         return summary

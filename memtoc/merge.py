@@ -172,14 +172,15 @@ def _ran(configs: Sequence[dict[str, Any]], stage: str) -> bool:
 
 
 def write_record(out: Path, shards: Sequence[Path], configs: Sequence[dict[str, Any]],
-                 params: dict[str, Any], done: Sequence[str]) -> None:
+                 cfg: RunConfig, done: Sequence[str]) -> None:
     """``params.yaml`` and ``config.json`` of the merged run: the first shard's provenance, the stage
     records of the stages recomputed here (so `memtoc run OUT/params.yaml --only ...` accepts them)."""
     paths = RunPaths(out)
     digest = _fact(configs[0], "provenance.release.digest")
+    params = cfg.as_params(with_run_dir=False)
     paths.write_params(params, "`memtoc merge`; every notebook reads this file.")
     finished = max(str(c.get("finished") or "") for c in configs)
-    stages = {s: stage_record(params, s[:2], digest, finished) for s in done}
+    stages = {s: stage_record(cfg, s[:2], digest, finished) for s in done}
     write_json(paths.config_json, {
         "run_name": params["run_name"], "run_dir": str(out), "params_file": str(paths.params_yaml),
         "params": params, "provenance": configs[0]["provenance"], "status": "ok", "finished": finished,
@@ -200,21 +201,20 @@ def merge(out: str | Path, shards: Sequence[str | Path]) -> dict[str, Any]:
     check_compatible(shard_dirs, configs)
     done = [s for s in RECOMPUTED if _ran(configs, s)]
     left = [s for s in LATER if _ran(configs, s)]
-    params = merged_params(out, configs)
+    cfg = RunConfig.of({**merged_params(out, configs), "run_dir": out}, str(RunPaths(out).params_yaml))
     out.mkdir(parents=True)
     try:
-        rep = _build(out, shard_dirs, configs, params, done, left)
+        rep = _build(out, shard_dirs, configs, cfg, done, left)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)      # no half-merged run left behind
         raise
-    return {"models": list(params["models"]), "recomputed": done, "left": left, "report": rep}
+    return {"models": list(cfg.models), "recomputed": done, "left": left, "report": rep}
 
 
-def _build(out: Path, shard_dirs: Sequence[Path], configs: Sequence[dict[str, Any]], params: dict[str, Any],
+def _build(out: Path, shard_dirs: Sequence[Path], configs: Sequence[dict[str, Any]], cfg: RunConfig,
            done: Sequence[str], left: Sequence[str]) -> Path | None:
     copy_files(out, shard_dirs, configs)
-    write_record(out, shard_dirs, configs, params, done)
-    cfg = RunConfig.of({**params, "run_dir": out}, str(RunPaths(out).params_yaml))
+    write_record(out, shard_dirs, configs, cfg, done)
     cfg.paths.figures.mkdir(parents=True, exist_ok=True)
     if "02_elicitation" in done:
         path = RunPaths(shard_dirs[0]).summary("elicitation")

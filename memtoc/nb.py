@@ -46,7 +46,7 @@ from IPython import get_ipython
 from papermill.cli import papermill as pm_command
 
 from . import pipeline, progress, runlock
-from .config import DEFAULTS, REPO_ROOT, ConfigError, _merge, load_params, run_dir, validate_params
+from .config import DEFAULTS, REPO_ROOT, ConfigError, _merge, load_params, validate_params
 from .io import write_json
 from .runconfig import RunConfig, RunPaths
 
@@ -184,12 +184,11 @@ def setup(g: dict[str, Any]) -> RunConfig:
     params, source = resolve(g, start, call)
     # a relative release_dir / $MEMTOC_RELEASE means the working directory the notebook was started
     # from (`memtoc run` passes an absolute one): resolve it before moving to the project root
-    params = pipeline.resolve_paths(params, cwd=start)
+    cfg = pipeline.resolve_paths(RunConfig.of(params, source), cwd=start)
     os.chdir(REPO_ROOT)
-    cfg = RunConfig.of(params, source)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if call is not None:
-        _Bookkeeping.start(params, source, call, start)
+        _Bookkeeping.start(cfg, call, start)
     return cfg
 
 
@@ -199,10 +198,10 @@ class _Bookkeeping:
 
     active: Optional["_Bookkeeping"] = None
 
-    def __init__(self, params: dict[str, Any], source: str, call: PapermillCall, cwd: Path):
-        self.params, self.source, self.call = params, source, call
+    def __init__(self, run: RunConfig, call: PapermillCall, cwd: Path):
+        self.run, self.source, self.call = run, run.source, call
         self.notebook = (cwd / call.notebook).resolve() if call.notebook else None
-        self.rd = run_dir(params)
+        self.rd = run.run_dir
         self.command = list(call.argv) or ["papermill", str(self.notebook or "?")]
         self.lock = runlock.RunLock(self.rd, command=self.command)
         self.error: Optional[str] = None
@@ -210,12 +209,12 @@ class _Bookkeeping:
         self.cfg: dict[str, Any] = {}
 
     @classmethod
-    def start(cls, params: dict[str, Any], source: str, call: PapermillCall, cwd: Path) -> None:
+    def start(cls, run: RunConfig, call: PapermillCall, cwd: Path) -> None:
         if cls.active is not None:
-            if cls.active.rd == run_dir(params):
+            if cls.active.rd == run.run_dir:
                 return              # setup ran again in the same kernel: same run, same record
             cls.active.finish()
-        bk = cls(params, source, call, cwd)
+        bk = cls(run, call, cwd)
         bk.open()
         cls.active = bk
 
@@ -226,11 +225,11 @@ class _Bookkeeping:
         number = next((n for n, p in found.items() if p.name == self.notebook.name), None)
         if number is None:
             return None             # not a numbered notebook: no stage record
-        return dataclasses.replace(pipeline.plan(self.params, [number], self.notebook.parent)[0], run=True)
+        return dataclasses.replace(pipeline.plan(self.run, [number], self.notebook.parent)[0], run=True)
 
     def open(self) -> None:
         self.step = self._find_step()
-        pipeline.preflight(self.params, [self.step] if self.step else [], self.source)
+        pipeline.preflight(self.run, [self.step] if self.step else [], self.source)
         self.rd.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         try:
@@ -249,22 +248,23 @@ class _Bookkeeping:
             old = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         except (OSError, ValueError):
             old = {}
-        prov = pipeline.provenance(self.params)
+        prov = pipeline.provenance(self.run)
         prov["command"] = self.command
         self.digest = prov["release"].get("digest")
         stages = dict(old.get("stages") or {})
-        stale = pipeline.stale_inputs([self.step], stages, self.params, self.digest) if self.step else []
+        stale = pipeline.stale_inputs([self.step], stages, self.run, self.digest) if self.step else []
         if stale:
             raise pipeline.PipelineError(
                 f"{self.notebook.name} would read outputs computed with other parameters: " + " | ".join(stale)
                 + "; run the earlier notebooks with these parameters first (or `memtoc run`), or use another run_name")
-        params_file = RunPaths(self.rd).write_params(self.params, "memtoc.nb.setup (papermill).")
+        params = self.run.as_params(with_run_dir=False)
+        params_file = RunPaths(self.rd).write_params(params, "memtoc.nb.setup (papermill).")
         self.entry = {"notebook": self.step.name if self.step else self.notebook and self.notebook.stem,
                       "source": str(self.notebook) if self.notebook else None, "executed": self.call.output,
                       "started": pipeline._now(), "status": "running", "via": "papermill"}
         self.t0 = time.perf_counter()
-        self.cfg = {"run_name": self.params["run_name"], "run_dir": str(self.rd), "params_file": str(params_file),
-                    "params": self.params, "params_source": self.source, "only": [self.entry["notebook"]],
+        self.cfg = {"run_name": self.run.run_name, "run_dir": str(self.rd), "params_file": str(params_file),
+                    "params": params, "params_source": self.source, "only": [self.entry["notebook"]],
                     "provenance": prov, "started": self.entry["started"], "finished": None, "status": "running",
                     "pid": os.getpid(), "host": platform.node(), "notebooks": [self.entry], "stages": stages}
         if old:
@@ -284,7 +284,7 @@ class _Bookkeeping:
         secs = round(time.perf_counter() - self.t0, 1)
         self.entry.update(status=status, finished=now, seconds=secs, **({"error": self.error} if self.error else {}))
         if status == "ok" and self.step is not None:
-            self.cfg["stages"][self.step.name] = pipeline.stage_record(self.params, self.step.number, self.digest, now)
+            self.cfg["stages"][self.step.name] = pipeline.stage_record(self.run, self.step.number, self.digest, now)
         self.cfg.update(status=status, finished=now, seconds=secs)
         try:
             write_json(RunPaths(self.rd).config_json, self.cfg)

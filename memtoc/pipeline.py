@@ -35,7 +35,6 @@ Nothing here deletes anything under the run directory: the generation cache
 """
 from __future__ import annotations
 
-import copy
 import datetime as _dt
 import hashlib
 import json
@@ -58,8 +57,8 @@ from .benchmark import load_benchmark
 from .io import plain, sha256_file, sha256_json, write_json
 from .gpuenv import check_gpu
 from .servers import check_servers
-from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir, run_dir
-from .runconfig import RunConfig, RunPaths
+from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir
+from .runconfig import RunConfig, RunPaths, expect_config
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
@@ -141,9 +140,10 @@ def discover_notebooks(notebook_dir: Path | None = None) -> dict[str, Path]:
     return found
 
 
-def plan(params: dict[str, Any], only: list[str] | None = None,
+def plan(cfg: RunConfig, only: list[str] | None = None,
          notebook_dir: Path | None = None) -> list[Step]:
     """The ordered list of notebooks a run would execute (pure apart from listing the folder)."""
+    cfg = expect_config(cfg, "pipeline.plan")
     found = discover_notebooks(notebook_dir)
     numbers = sorted(set(found) | set(KNOWN_STAGES))
     wanted: set[str] | None = None
@@ -163,7 +163,7 @@ def plan(params: dict[str, Any], only: list[str] | None = None,
         if wanted is not None and n not in wanted:
             continue
         p = found.get(n)
-        on, why = registry[n].enabled(params) if n in registry else (True, "")
+        on, why = registry[n].enabled(cfg) if n in registry else (True, "")
         if p is None:
             steps.append(Step(n, n, None, False, "no notebook for this stage in notebooks/ yet"))
         elif not on:
@@ -208,9 +208,9 @@ def release_hashes(release_dir: Path) -> dict[str, str]:
             for p in sorted(release_dir.rglob("*")) if p.is_file()}
 
 
-def provenance(params: dict[str, Any]) -> dict[str, Any]:
+def provenance(cfg: RunConfig) -> dict[str, Any]:
     try:
-        rel = resolve_release_dir(params.get("release_dir"))
+        rel = resolve_release_dir(cfg.release_dir)
         files = release_hashes(rel)
         rel_info: dict[str, Any] = {"path": str(rel), "sha256": files,
                                     "digest": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
@@ -239,45 +239,42 @@ def _now() -> str:
 # resolution and validation before anything runs
 
 
-def resolve_paths(params: dict[str, Any], cwd: Path | None = None) -> dict[str, Any]:
-    """``release_dir`` (or ``$MEMTOC_RELEASE``) resolved once, against the working directory of the
-    ``memtoc`` invocation, to an absolute path: the notebooks receive that path and never resolve
-    it again (they run with the repository root as working directory)."""
-    p = copy.deepcopy(params)
-    given = p.get("release_dir") or os.environ.get("MEMTOC_RELEASE") or None
+def resolve_paths(cfg: RunConfig, cwd: Path | None = None) -> RunConfig:
+    """``cfg`` with ``release_dir`` (or ``$MEMTOC_RELEASE``) resolved once, against the working
+    directory of the ``memtoc`` invocation, to an absolute path: the notebooks receive that path and
+    never resolve it again (they run with the repository root as working directory)."""
+    given = cfg.release_dir or os.environ.get("MEMTOC_RELEASE") or None
     if given:
         path = Path(given).expanduser()
         if not path.is_absolute():
             path = (cwd or Path.cwd()) / path
-        p["release_dir"] = str(resolve_release_dir(path))
-    else:
-        p["release_dir"] = str(resolve_release_dir(None))
-    return p
+        return cfg.replace(release_dir=str(resolve_release_dir(path)))
+    return cfg.replace(release_dir=str(resolve_release_dir(None)))
 
 
-def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>") -> dict[str, Any]:
+def preflight(cfg: RunConfig, steps: list[Step], source: str = "<params>") -> dict[str, Any]:
     """Checks that need the model registry or the data, done before the first notebook starts: model
     names, every stage block (through the typed run configuration), the question counts against the
     analysis set, then each running stage's own ``preflight`` hook (memtoc/stages.py). Returns facts
     for the plan."""
-    for m in params["models"]:
-        if params["backend"] != "openai":
+    cfg = expect_config(cfg, "pipeline.preflight")
+    for m in cfg.models:
+        if cfg.backend != "openai":
             try:
                 models.get_model(m)
             except models.ModelError as e:
                 raise ConfigError(f"{source}: field 'models': {e}") from None
-    j = params.get("judge")
-    if j and j["backend"] != "openai":
+    j = cfg.judge
+    if j is not None and j.backend != "openai":
         try:
-            models.get_model(j["model"])
+            models.get_model(j.model)
         except models.ModelError as e:
             raise ConfigError(f"{source}: field 'judge.model': {e}") from None
-    cfg = RunConfig.of(params, source)   # every stage block, typed and checked before 01 starts
-    bench = load_benchmark(params.get("release_dir"))
+    bench = load_benchmark(cfg.release_dir)
     n = len(bench.analysis)
     for field in ("n_questions", "n_questions_extra"):
-        if params[field] > n:
-            raise ConfigError(f"{source}: field {field!r}: {params[field]} is more than the {n} questions of "
+        if getattr(cfg, field) > n:
+            raise ConfigError(f"{source}: field {field!r}: {getattr(cfg, field)} is more than the {n} questions of "
                               f"the analysis set; use at most {n}")
     facts = {"bench": bench, "n_analysis": n, "finetune": cfg.finetune, "config": cfg}
     registry = stages_mod.by_number()
@@ -285,18 +282,18 @@ def preflight(params: dict[str, Any], steps: list[Step], source: str = "<params>
         spec = registry.get(s.number)
         check = stages_mod.hook(spec.preflight) if s.run and spec else None
         if check is not None:
-            check(params, source, facts)
+            check(cfg, source, facts)
     return facts
 
 
 NON_RESULT_KEYS = stages_mod.NON_RESULT_KEYS
 
 
-def stage_params(params: dict[str, Any], number: str, release_digest: str | None) -> dict[str, Any]:
+def stage_params(cfg: RunConfig, number: str, release_digest: str | None) -> dict[str, Any]:
     """The parameters stage ``number`` computes its outputs from (``release`` = the data's digest):
     its own and those of the stages it reads (memtoc/stages.py); a notebook the registry does not
     know depends on every result parameter."""
-    every = {k: v for k, v in params.items() if k not in NON_RESULT_KEYS}
+    every = {k: v for k, v in cfg.as_params(with_run_dir=False).items() if k not in NON_RESULT_KEYS}
     every["release"] = release_digest
     keys = stages_mod.stage_keys(number)
     return plain({k: every[k] for k in (keys or sorted(every)) if k in every})
@@ -306,9 +303,9 @@ def params_sha256(d: dict[str, Any]) -> str:
     return sha256_json(plain(d))
 
 
-def stage_record(params: dict[str, Any], number: str, release_digest: str | None, finished: str) -> dict[str, Any]:
+def stage_record(cfg: RunConfig, number: str, release_digest: str | None, finished: str) -> dict[str, Any]:
     """config.json's ``stages`` entry of a stage that finished: the parameters its outputs came from."""
-    sp = stage_params(params, number, release_digest)
+    sp = stage_params(cfg, number, release_digest)
     return {"number": number, "params_sha256": params_sha256(sp), "params": sp, "finished": finished}
 
 
@@ -321,7 +318,7 @@ def carry_history(old: dict[str, Any], cfg: dict[str, Any]) -> None:
     cfg["history"] = (hist + [entry])[-20:]
 
 
-def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, Any],
+def stale_inputs(steps: list[Step], stages: dict[str, Any], cfg: RunConfig,
                  release_digest: str | None) -> list[str]:
     """One message per earlier stage, not run now, whose recorded outputs were computed with other
     parameters than the ones a stage of this run would compute with."""
@@ -333,7 +330,7 @@ def stale_inputs(steps: list[Step], stages: dict[str, Any], params: dict[str, An
         num = str(rec.get("number") or name[:2])
         if num in running or not any(num in reads[r] for r in running):
             continue  # rebuilt by this run, or read by no stage of it
-        now = stage_params(params, num, release_digest)
+        now = stage_params(cfg, num, release_digest)
         if rec.get("params_sha256") == params_sha256(now):
             continue
         was, new = _flat(rec.get("params") or {}), _flat(now)
@@ -425,7 +422,7 @@ def notebook_notices(executed: Path, marker: str = "memtoc cache:") -> list[str]
     return list(dict.fromkeys(out))
 
 
-def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool = False,
+def run(cfg: RunConfig, only: list[str] | None = None, log_output: bool = False,
         notebook_dir: Path | None = None, executor=None, echo=None, source: str = "<params>") -> dict[str, Any]:
     """Execute a run; returns the config dict written to ``<run_dir>/config.json``.
 
@@ -436,15 +433,16 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
     """
     executor = executor or _execute
     echo = echo or (lambda msg: print(msg, flush=True))
-    found_by = resolve_release(params=params)[1]   # which rule found the data (config.resolve_release)
-    params = resolve_paths(params)
-    steps = plan(params, only, notebook_dir)
+    cfg = expect_config(cfg, "pipeline.run")
+    found_by = resolve_release(params={"release_dir": cfg.release_dir})[1]   # the rule that found the data
+    cfg = resolve_paths(cfg)
+    steps = plan(cfg, only, notebook_dir)
     registry = stages_mod.by_number()
     if any(s.run and (s.number not in registry or registry[s.number].generates) for s in steps):
-        check_gpu(params, source)   # one line, before any notebook, when a stage needs a GPU that is not here
-        check_servers(params, source)   # every configured OpenAI-compatible server answers, or one line
-    preflight(params, steps, source)
-    rd = run_dir(params)
+        check_gpu(cfg, source)   # one line, before any notebook, when a stage needs a GPU that is not here
+        check_servers(cfg, source)   # every configured OpenAI-compatible server answers, or one line
+    preflight(cfg, steps, source)
+    rd = cfg.run_dir
     try:
         rd.mkdir(parents=True, exist_ok=True)
         lock = runlock.RunLock(rd, warn=echo)
@@ -453,22 +451,22 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
         raise PipelineError(f"cannot create or lock the run directory {rd}: {e.strerror or e}; choose a "
                             "writable output_root (e.g. --set output_root=/tmp/memtoc-out)") from None
     cfg_path = RunPaths(rd).config_json
-    cfg: dict[str, Any] = {"release": {"dir": params["release_dir"], "found_by": found_by}}
+    record: dict[str, Any] = {"release": {"dir": cfg.release_dir, "found_by": found_by}}
     saved_env = os.environ.get(progress.ENV)
     try:
-        return _run_locked(params, only, log_output, steps, rd, cfg, executor, echo, lock)
+        return _run_locked(cfg, only, log_output, steps, record, executor, echo)
     except OSError as e:
         # no space left, a folder made read-only mid-run...: record it if we still can, one line out
-        if cfg.get("status") == "running":
-            cfg.update(status="failed", finished=_now(), error=f"{type(e).__name__}: {e}")
-            for entry in cfg.get("notebooks", []):
+        if record.get("status") == "running":
+            record.update(status="failed", finished=_now(), error=f"{type(e).__name__}: {e}")
+            for entry in record.get("notebooks", []):
                 if entry.get("status") == "running":
                     entry.update(status="failed", finished=_now())
             try:
-                write_json(cfg_path, cfg)
+                write_json(cfg_path, record)
             except OSError:  # no room for a temp file: rewrite in place (truncating frees its blocks)
                 try:
-                    cfg_path.write_text(json.dumps(plain(cfg), indent=2, ensure_ascii=False) + "\n")
+                    cfg_path.write_text(json.dumps(plain(record), indent=2, ensure_ascii=False) + "\n")
                 except OSError:
                     pass  # effective_status() still reads it as "interrupted" once the lock is gone
         raise PipelineError(f"cannot write under {rd}: {e.strerror or e}"
@@ -483,9 +481,9 @@ def run(params: dict[str, Any], only: list[str] | None = None, log_output: bool 
             os.environ[progress.ENV] = saved_env
 
 
-def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[Path, str | None]:
+def _start_record(cfg: RunConfig, only, steps, record: dict[str, Any]) -> tuple[Path, str | None]:
     """Refuse stale inputs, write params.yaml and the running config.json; (params file, data digest)."""
-    paths = RunPaths(rd)
+    paths, rd = cfg.paths, cfg.run_dir
     cfg_path = paths.config_json
     old: dict[str, Any] = {}
     if cfg_path.is_file():
@@ -493,23 +491,24 @@ def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[P
             old = json.loads(cfg_path.read_text())
         except (OSError, ValueError):
             old = {}
-    prov = provenance(params)
+    prov = provenance(cfg)
     digest = prov["release"].get("digest")
     stages: dict[str, Any] = dict(old.get("stages") or {})
-    stale = stale_inputs(steps, stages, params, digest)
+    stale = stale_inputs(steps, stages, cfg, digest)
     if stale:
         raise PipelineError(
             "this run would mix outputs computed with different parameters: " + " | ".join(stale)
             + f". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
             "or use another run_name")
     paths.notebooks.mkdir(parents=True, exist_ok=True)
+    params = cfg.as_params(with_run_dir=False)
     params_file = paths.write_params(params, "`memtoc run`; every notebook reads this file.")
     # the kernel spec runs `python` from PATH: make it this interpreter (the venv's)
     bindir = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    cfg.update({
-        "run_name": params["run_name"], "run_dir": str(rd), "params_file": str(params_file), "params": params,
+    record.update({
+        "run_name": cfg.run_name, "run_dir": str(rd), "params_file": str(params_file), "params": params,
         "only": only, "provenance": prov, "started": _now(), "finished": None, "status": "running",
         "pid": os.getpid(), "host": platform.node(), "notebooks": [],
         # per stage: the parameters its current outputs were computed from (carried over between
@@ -517,12 +516,12 @@ def _start_record(params, only, steps, rd: Path, cfg: dict[str, Any]) -> tuple[P
         "stages": stages,
     })
     if old:   # keep the history of earlier invocations of the same run (resumes, --only reruns)
-        carry_history(old, cfg)
-    write_json(cfg_path, cfg)
+        carry_history(old, record)
+    write_json(cfg_path, record)
     return params_file, digest
 
 
-def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_file: Path, executor, echo,
+def _execute_step(s: Step, label: str, rd: Path, record: dict[str, Any], params_file: Path, executor, echo,
                   log_output: bool, t_run: float) -> dict[str, Any]:
     """Run one notebook, recording it in config.json; returns its entry (status ok) or raises."""
     paths = RunPaths(rd)
@@ -530,8 +529,8 @@ def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_fil
     dst = paths.notebook(s.path.name)
     entry: dict[str, Any] = {"notebook": s.name, "source": str(s.path), "executed": str(dst), "started": _now(),
                              "status": "running"}
-    cfg["notebooks"].append(entry)
-    write_json(cfg_path, cfg)
+    record["notebooks"].append(entry)
+    write_json(cfg_path, record)
     echo(f"  {label} ...")
     t0 = time.perf_counter()
     progress_file.unlink(missing_ok=True)
@@ -541,8 +540,8 @@ def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_fil
         executor(s.path, dst, params_file, log_output)
     except KeyboardInterrupt:
         entry.update(status="interrupted", seconds=round(time.perf_counter() - t0, 1), finished=_now())
-        cfg.update(status="interrupted", finished=_now())
-        write_json(cfg_path, cfg)
+        record.update(status="interrupted", finished=_now())
+        write_json(cfg_path, record)
         echo(f"  interrupted during {s.name}; rerun the same command to resume from the cache")
         raise
     except OSError:
@@ -552,8 +551,8 @@ def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_fil
         for line in notebook_notices(dst):
             echo(f"      {line}")
         entry.update(status="failed", seconds=secs, finished=_now(), error=_error_summary(e))
-        cfg.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
-        write_json(cfg_path, cfg)
+        record.update(status="failed", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
+        write_json(cfg_path, record)
         raise PipelineError(f"notebook {s.name} failed after {secs:.0f} s ({_error_summary(e)}); "
                             f"see the executed copy {dst}") from None
     finally:
@@ -567,27 +566,27 @@ def _execute_step(s: Step, label: str, rd: Path, cfg: dict[str, Any], params_fil
     return entry
 
 
-def _run_locked(params, only, log_output, steps, rd: Path, cfg: dict[str, Any], executor, echo, lock) -> dict[str, Any]:
-    cfg_path = RunPaths(rd).config_json
-    params_file, digest = _start_record(params, only, steps, rd, cfg)
+def _run_locked(cfg: RunConfig, only, log_output, steps, record: dict[str, Any], executor, echo) -> dict[str, Any]:
+    rd, cfg_path = cfg.run_dir, cfg.paths.config_json
+    params_file, digest = _start_record(cfg, only, steps, record)
     to_run = [s for s in steps if s.run]
-    echo(f"memtoc run: {params['run_name']} -> {rd}  ({len(to_run)} notebook(s))")
+    echo(f"memtoc run: {cfg.run_name} -> {rd}  ({len(to_run)} notebook(s))")
     t_run = time.perf_counter()
-    os.environ[progress.ENV] = str(RunPaths(rd).progress_file)
+    os.environ[progress.ENV] = str(cfg.paths.progress_file)
     k = 0
     for s in steps:
         if not s.run:
-            cfg["notebooks"].append({"notebook": s.name, "source": str(s.path) if s.path else None,
+            record["notebooks"].append({"notebook": s.name, "source": str(s.path) if s.path else None,
                                      "status": "skipped", "reason": s.reason})
             echo(f"  - {s.name}: skipped ({s.reason})")
-            write_json(cfg_path, cfg)
+            write_json(cfg_path, record)
             continue
         k += 1
-        entry = _execute_step(s, f"[{k}/{len(to_run)}] {s.name}", rd, cfg, params_file, executor, echo,
+        entry = _execute_step(s, f"[{k}/{len(to_run)}] {s.name}", rd, record, params_file, executor, echo,
                               log_output, t_run)
-        cfg["stages"][s.name] = stage_record(params, s.number, digest, entry["finished"])
-        write_json(cfg_path, cfg)
-    cfg.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
-    write_json(cfg_path, cfg)
-    echo(f"memtoc run: done in {cfg['seconds']:.1f} s; config: {cfg_path}")
-    return cfg
+        record["stages"][s.name] = stage_record(cfg, s.number, digest, entry["finished"])
+        write_json(cfg_path, record)
+    record.update(status="ok", finished=_now(), seconds=round(time.perf_counter() - t_run, 1))
+    write_json(cfg_path, record)
+    echo(f"memtoc run: done in {record['seconds']:.1f} s; config: {cfg_path}")
+    return record

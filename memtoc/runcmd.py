@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from . import pipeline
-from .config import load_params, run_dir
+from .config import load_params
 from .runconfig import RunConfig
 from .dryrun import dry_run, dry_run_json
 from .servers import server_report
@@ -35,28 +35,27 @@ def cli(argv: list[str]) -> int:
         overrides["release_dir"] = str(Path(a.release).expanduser().resolve())
     if overrides:   # a bad block value names the file when the file has it, --set when only --set does
         RunConfig.of(load_params(a.params), a.params)
-        params = load_params(a.params, overrides=overrides)
-        RunConfig.of(params, f"--set (over {a.params})")
+        cfg = RunConfig.of(load_params(a.params, overrides=overrides), f"--set (over {a.params})")
     else:
-        params = load_params(a.params)
+        cfg = RunConfig.load(a.params)
     if a.list:
-        for s in pipeline.plan(params, a.only):
+        for s in pipeline.plan(cfg, a.only):
             print(f"{s.name:<24} {'run' if s.run else 'skip: ' + s.reason}")
-        st = pipeline.effective_status(run_dir(params))
-        print(f"run directory {run_dir(params)}: " + (f"last run {st}" if st else "no run yet"))
+        st = pipeline.effective_status(cfg.run_dir)
+        print(f"run directory {cfg.run_dir}: " + (f"last run {st}" if st else "no run yet"))
         return 0
     if a.dry_run and a.json:
-        plan = dry_run_json(params, a.only, source=a.params)
-        plan["servers"] = server_report(params)
+        plan = dry_run_json(cfg, a.only, source=a.params)
+        plan["servers"] = server_report(cfg)
         print(json.dumps(plan, indent=1))
         return 0
     if a.dry_run:
-        print(dry_run(params, a.only, source=a.params))
-        for line in server_report(params):
+        print(dry_run(cfg, a.only, source=a.params))
+        for line in server_report(cfg):
             print(line)
         return 0
     try:
-        pipeline.run(params, a.only, log_output=a.log_output, source=a.params)
+        pipeline.run(cfg, a.only, log_output=a.log_output, source=a.params)
     except KeyboardInterrupt:
         return 130
     return 0

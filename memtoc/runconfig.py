@@ -297,10 +297,13 @@ class RunConfig(Mapping):
                     max_new_tokens=self.max_new_tokens, model_cache_dir=self.model_cache_dir,
                     **(self.backend_options or {}))
 
-    def as_params(self) -> dict[str, Any]:
-        """The flat parameter dict (lists, the judge block as a mapping) plus ``run_dir``."""
+    def as_params(self, with_run_dir: bool = True) -> dict[str, Any]:
+        """The flat parameter dict (lists, the judge block as a mapping), equal to what
+        ``config.load_params`` gives for the same file, plus ``run_dir`` unless ``with_run_dir`` is
+        False (the form written to ``params.yaml`` and ``config.json`` and hashed per stage)."""
         out = {k: self[k] for k in DEFAULTS}
-        out["run_dir"] = self.run_dir
+        if with_run_dir:
+            out["run_dir"] = self.run_dir
         return out
 
     # -- the Mapping protocol: a RunConfig reads like the old flat dict -------------------------
@@ -329,6 +332,16 @@ class RunConfig(Mapping):
         return len(_keys())
 
 
+def expect_config(cfg: Any, where: str) -> RunConfig:
+    """``cfg`` when it is a RunConfig; a TypeError naming ``where`` otherwise. Stage entry points take
+    the typed configuration only: a params dict is turned into one at the edge (``RunConfig.load``,
+    ``RunConfig.of``), once."""
+    if not isinstance(cfg, RunConfig):
+        raise TypeError(f"{where} takes a RunConfig (RunConfig.load(path) or RunConfig.of(params)), "
+                        f"not a {type(cfg).__name__}")
+    return cfg
+
+
 def _keys() -> tuple[str, ...]:
     return tuple(DEFAULTS) + ("run_dir",)
 
@@ -337,5 +350,5 @@ def _typed_fields() -> set[str]:
     return {f.name for f in fields(RunConfig)} - {"run_dir", "source", "untyped", "blocks"}
 
 
-__all__ = ["RunConfig", "RunPaths", "AgentConfig", "FinetuneConfig", "JudgeConfig", "ProbesConfig", "TransferConfig",
+__all__ = ["RunConfig", "expect_config", "RunPaths", "AgentConfig", "FinetuneConfig", "JudgeConfig", "ProbesConfig", "TransferConfig",
            "ConfigError"]

@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Sequence
 from .config import PAPER_SEED
 from .models import formulations_for
 from .records import Question
-from .runconfig import RunConfig
+from .runconfig import RunConfig, expect_config
 
 
 def select_questions(questions: Iterable[Question], n: int, seed: int = PAPER_SEED) -> list[Question]:
@@ -79,7 +79,7 @@ def run_selection(cfg: RunConfig, bench) -> Selection:
     """The run's selection from its configuration (a params mapping is read with ``RunConfig.of``)
     and the loaded benchmark (``benchmark.load_benchmark(cfg.release_dir)``): the benchmark's analysis
     set ordered by :func:`select_questions` with ``cfg.seed``, the run's sizes and formulations."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "selection.run_selection")
     analysis = list(bench.analysis)
     return Selection(order=tuple(select_questions(analysis, len(analysis), cfg.seed)),
                      n_questions=cfg.n_questions, n_questions_extra=cfg.n_questions_extra,

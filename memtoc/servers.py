@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import requests
 
 from .config import ConfigError
+
+if TYPE_CHECKING:      # annotations only: gpuenv/servers sit below the run configuration
+    from .runconfig import RunConfig
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"   # the openai backend's and runtime's default
 CHECK_TIMEOUT_S = 5.0
@@ -35,17 +38,15 @@ def _server(options: Optional[dict], setting: str) -> Server:
     return Server(setting, str(url).rstrip("/"), options.get("api_key"))
 
 
-def configured_servers(params: dict[str, Any]) -> list[Server]:
+def configured_servers(cfg: RunConfig) -> list[Server]:
     """The servers the run's parameters name (none for a run that uses no OpenAI-compatible server)."""
     out = []
-    if params.get("backend") == "openai":
-        out.append(_server(params.get("backend_options"), "backend_options.base_url"))
-    judge = params.get("judge") or {}
-    if judge and judge.get("backend") == "openai":
-        out.append(_server(judge.get("backend_options"), "judge.backend_options.base_url"))
-    agent = params.get("agent") or {}
-    if agent.get("enabled", True) and agent.get("runtime") == "openai":
-        out.append(_server(agent.get("runtime_options"), "agent.runtime_options.base_url"))
+    if cfg.backend == "openai":
+        out.append(_server(cfg.backend_options, "backend_options.base_url"))
+    if cfg.judge is not None and cfg.judge.backend == "openai":
+        out.append(_server(cfg.judge.backend_options, "judge.backend_options.base_url"))
+    if cfg.agent.enabled and cfg.agent.runtime == "openai":
+        out.append(_server(cfg.agent.runtime_options, "agent.runtime_options.base_url"))
     return out
 
 
@@ -63,10 +64,10 @@ def probe(server: Server, timeout: float = CHECK_TIMEOUT_S) -> Optional[str]:
     return None
 
 
-def check_servers(params: dict[str, Any], source: str = "<params>", timeout: float = CHECK_TIMEOUT_S) -> list[Server]:
+def check_servers(cfg: RunConfig, source: str = "<params>", timeout: float = CHECK_TIMEOUT_S) -> list[Server]:
     """Contact every configured server; raise one ConfigError line for the first that does not answer.
     Returns the servers checked."""
-    servers = configured_servers(params)
+    servers = configured_servers(cfg)
     for s in servers:
         why = probe(s, timeout)
         if why:
@@ -75,9 +76,9 @@ def check_servers(params: dict[str, Any], source: str = "<params>", timeout: flo
     return servers
 
 
-def server_report(params: dict[str, Any], timeout: float = CHECK_TIMEOUT_S) -> list[str]:
+def server_report(cfg: RunConfig, timeout: float = CHECK_TIMEOUT_S) -> list[str]:
     """``--dry-run``'s lines: each configured server and whether it answers now (nothing when none)."""
-    servers = configured_servers(params)
+    servers = configured_servers(cfg)
     if not servers:
         return []
     lines = ["servers (contacted now; `memtoc run` refuses to start when one does not answer)"]

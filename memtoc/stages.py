@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:      # annotations only: the registry sits below the run configuration
+    from .runconfig import RunConfig
 
 #: parameters that cannot change a result (where files go; batch_size: a reply never depends on its
 #: batch; verify: whether 09 raises)
@@ -31,7 +34,7 @@ class Stage:
     ``keys``: the result parameters it reads itself (``release`` = the data's digest).
     ``reads``: the stages whose outputs it reads. ``generates``: it loads models (the GPU and server
     checks apply). ``preflight`` / ``estimate``: ``"module:function"`` hooks, resolved on use:
-    ``preflight(params, source, facts)`` raises a ConfigError for what cannot run;
+    ``preflight(cfg, source, facts)`` raises a ConfigError for what cannot run;
     ``estimate(ctx, stage)`` returns the dry run's ``memtoc.dryrun.StagePlan``."""
 
     number: str
@@ -44,10 +47,13 @@ class Stage:
     preflight: Optional[str] = None
     estimate: Optional[str] = None
 
-    def enabled(self, params: dict[str, Any]) -> tuple[bool, str]:
+    def enabled(self, cfg: RunConfig) -> tuple[bool, str]:
+        """(whether the run's configuration switches the stage on, why not); ``block`` is a typed
+        block of ``cfg`` (``cfg.probes``) or, for a block without one yet, its mapping."""
         if self.block is None:
             return True, ""
-        on = bool((params.get(self.block) or {}).get("enabled", True))
+        blk = getattr(cfg, self.block)
+        on = bool(blk.get("enabled", True) if isinstance(blk, dict) else blk.enabled)
         return on, "" if on else f"{self.block}.enabled is false"
 
 

@@ -13,8 +13,8 @@ from memtoc import models
 from memtoc.agent import core, protocols, runtime, stage, tools, traces
 from memtoc.agent.protocols import TERMINATIONS, EpisodeSpec, run_episodes
 from memtoc.benchmark import load_benchmark, select_questions
-from memtoc.config import load_params
 from memtoc.prompts import value_output
+from memtoc.runconfig import RunConfig
 
 from test_backends_openai import transformers_server  # noqa: F401  (the `transformers serve` fixture)
 
@@ -81,7 +81,7 @@ def test_batched_constrained_decoding_equals_one_by_one(smol, questions):
 
 
 def test_stage_writes_the_agent_summary(tmp_path):
-    P = load_params(None, overrides={
+    P = RunConfig.load(None, overrides={
         "output_root": str(tmp_path), "run_name": "ag", "n_questions": 2, "formulations": ["reference"], "n_boot": 100,
         "n_perm": 100, "agent": {"n_questions": 2, "protocols": ["guided", "auto", "auto_constrained"],
                                  "schema_variants": ["release"], "max_tokens_per_call": 40,

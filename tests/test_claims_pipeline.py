@@ -85,7 +85,7 @@ def stage_run(tmp_path_factory):
     (rd / "summaries" / "elicitation.json").write_text(json.dumps(elicitation.summary(pd.concat(mems)), default=str))
     # the optional judged layer (PROTOCOL §4b) with a scripted judge, so its claims are checked too
     summary = judge.add_judged(analyses.evaluation_summary(scored, memory, RunConfig.of(P)), scored,
-                               dict(P, run_dir=rd, judge={"model": "fake-judge"}), generator=_Judge())
+                               RunConfig.of(dict(P, run_dir=rd, judge={"model": "fake-judge"})), generator=_Judge())
     analyses.write_summary(summary, rd)
     held = finetune.eval_episodes(qs, P["formulations"])
     summ = {"schema_version": 1, "models": {}}

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from memtoc import config, datafetch, pipeline
+from memtoc.runconfig import RunConfig
 from memtoc.cli import main
-from memtoc.config import RELEASE_STAMP, DataError, load_params, resolve_release, resolve_release_dir
+from memtoc.config import RELEASE_STAMP, DataError, resolve_release, resolve_release_dir
 
 SRC = resolve_release_dir(None)          # the compact release ($MEMTOC_RELEASE or ../shared/memtoc-release)
 SAMPLE = SRC.parent / "memtoc-release-official-sample"
@@ -321,7 +322,7 @@ def test_resolution_order(cache, tmp_path, monkeypatch, capsys):
 def test_run_records_how_the_release_was_found(cache, tmp_path):
     nb = tmp_path / "notebooks"
     nb.mkdir()
-    P = load_params(None, {"output_root": str(tmp_path / "out"), "release_dir": str(SRC), "run_name": "r"})
+    P = RunConfig.load(None, {"output_root": str(tmp_path / "out"), "release_dir": str(SRC), "run_name": "r"})
     cfg = pipeline.run(P, None, notebook_dir=nb, executor=lambda *a: None, echo=lambda m: None)
     assert cfg["release"] == {"dir": str(SRC), "found_by": "params:release_dir"}
     written = json.loads((tmp_path / "out" / "r" / "config.json").read_text())

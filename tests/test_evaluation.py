@@ -405,15 +405,14 @@ def test_paper_params_run_the_judged_layer_and_plan_its_memory():
     """params/paper.yaml: the paper's judge (Qwen2.5-7B-Instruct, greedy, 32 new tokens) on vLLM;
     the dry run's GPU plan has a line for the judge engine (no weights are loaded)."""
     from memtoc import dryrun
-    from memtoc.config import load_params
-    P = load_params(Path(__file__).resolve().parents[1] / "params" / "paper.yaml")
+    P = RunConfig.load(Path(__file__).resolve().parents[1] / "params" / "paper.yaml")
     assert P["judge"]["model"] == "qwen2.5-7b-instruct" and P["judge"]["max_new_tokens"] == 32
     assert P["judge"]["backend"] == "vllm" and P["judge"]["backend_options"]["gpu_memory_utilization"] < 0.85
     lines, cannot = [], []
     est = dryrun.judge_memory(P, lines, cannot)
     assert len(est) == 1 and est[0]["weights_gb"] > 10 and not cannot
     assert lines[0].strip().startswith("judge qwen2.5-7b-instruct")
-    assert dryrun.judge_memory(dict(P, judge=None), [], []) == []
+    assert dryrun.judge_memory(P.replace(judge=None), [], []) == []
 
 
 def test_family_table_lists_every_member_of_every_slice():

@@ -57,7 +57,7 @@ def test_paper_params_give_04_transformers_options_only():
 
     from memtoc.backends.hf import TransformersGenerator
     from memtoc.models import load_generator
-    P = load_params("params/paper.yaml")
+    P = RunConfig.load("params/paper.yaml")
     assert P["backend"] == "vllm" and "gpu_memory_utilization" in P["backend_options"]
     kw = F.eval_generator_kwargs(P)
     assert kw["backend"] == "transformers"
@@ -67,12 +67,12 @@ def test_paper_params_give_04_transformers_options_only():
     assert "gpu_memory_utilization" not in kw and "max_model_len" not in kw
     assert kw["dtype"] == "bfloat16"
     # options every backend shares (whole replies vs stop at the FINAL line) follow the run
-    Pv = load_params("params/paper.yaml", overrides={"backend_options": {"gpu_memory_utilization": 0.5,
+    Pv = RunConfig.load("params/paper.yaml", overrides={"backend_options": {"gpu_memory_utilization": 0.5,
                                                                          "stop_at_final": False}})
     kv = F.eval_generator_kwargs(Pv)
     assert kv["stop_at_final"] is False and "gpu_memory_utilization" not in kv
     # a transformers run keeps its own options, finetune.backend_options on top
-    Pt = load_params(None, overrides={"backend_options": {"token_budget": 4096, "decode": "compact"},
+    Pt = RunConfig.load(None, overrides={"backend_options": {"token_budget": 4096, "decode": "compact"},
                                       "finetune": {"backend_options": {"token_budget": 2048}}})
     kt = F.eval_generator_kwargs(Pt)
     assert kt["token_budget"] == 2048 and kt["decode"] == "compact"
@@ -425,7 +425,7 @@ def test_exclude_linked_drops_questions_linked_across_folds(bench):
         assert len(s.train_questions) == len(p.train_questions) - len(linked)
         assert s.eval_questions == p.eval_questions                           # evaluation is unchanged
         assert s.describe()["train_linked_excluded"] == len(linked)
-    P = load_params(None, overrides={"n_questions": 40, "finetune": {"exclude_linked": True}})
+    P = RunConfig.load(None, overrides={"n_questions": 40, "finetune": {"exclude_linked": True}})
     plans, _ = F.plan(P, bench)
     assert all(p.train_linked_excluded for p in plans)
 

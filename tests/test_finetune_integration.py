@@ -6,12 +6,12 @@ import json
 import pytest
 
 from memtoc import finetune as F
-from memtoc.config import load_params
+from memtoc.runconfig import RunConfig
 
 
 @pytest.mark.integration
 def test_train_a_real_adapter_and_evaluate_it_held_out(tmp_path):
-    P = load_params(None, overrides={
+    P = RunConfig.load(None, overrides={
         "run_name": "ft_it", "output_root": str(tmp_path), "n_questions": 12, "formulations": ["reference"],
         "max_new_tokens": 24, "n_boot": 50, "n_perm": 50,
         "finetune": {"objectives": ["sft"], "folds": [0], "max_steps": 2, "batch_size": 2,

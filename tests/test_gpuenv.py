@@ -5,6 +5,7 @@ import weakref
 import pytest
 
 from memtoc import cli, gpucheck, gpuenv, models
+from memtoc.runconfig import RunConfig
 from memtoc.backends import base, hf
 from memtoc.config import ConfigError
 from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
@@ -16,24 +17,24 @@ FULL_GPU = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=True, de
 
 
 def test_cpu_runs_need_no_gpu():
-    assert gpuenv.gpu_needs({"backend": "transformers", "backend_options": {}}) == []
-    assert gpuenv.check_gpu({"backend": "transformers"}, facts=NO_GPU) is None
+    assert gpuenv.gpu_needs(RunConfig.of({"backend": "transformers", "backend_options": {}})) == []
+    assert gpuenv.check_gpu(RunConfig.of({"backend": "transformers"}), facts=NO_GPU) is None
 
 
 def test_each_gpu_setting_is_named():
-    p = {"backend": "vllm", "judge": {"backend": "transformers", "backend_options": {"device": "cuda:1"}},
+    p = {"backend": "vllm", "judge": {"model": "smollm2-135m-instruct", "backend": "transformers", "backend_options": {"device": "cuda:1"}},
          "agent": {"enabled": True, "runtime": "transformers", "runtime_options": {"device": "cuda"}}}
-    needs = gpuenv.gpu_needs(p)
+    needs = gpuenv.gpu_needs(RunConfig.of(p))
     assert len(needs) == 3 and "backend: vllm" in needs[0] and "judge" in needs[1] and "agent" in needs[2]
-    assert gpuenv.gpu_needs({**p, "agent": {"enabled": False, "runtime_options": {"device": "cuda"}},
-                             "judge": None, "backend": "transformers"}) == []
+    assert gpuenv.gpu_needs(RunConfig.of({**p, "agent": {"enabled": False, "runtime_options": {"device": "cuda"}},
+                                          "judge": None, "backend": "transformers"})) == []
 
 
 @pytest.mark.parametrize("facts,words", [(NO_GPU, "CPU build"), (OLD_DRIVER, "driver too old"),
                                          (FULL_GPU, "0.2 GiB of A100 is free")])
 def test_a_missing_or_full_gpu_is_one_line_naming_the_file(facts, words):
     with pytest.raises(ConfigError) as e:
-        gpuenv.check_gpu({"backend": "vllm"}, "params/paper.yaml", facts=facts)
+        gpuenv.check_gpu(RunConfig.of({"backend": "vllm"}), "params/paper.yaml", facts=facts)
     msg = str(e.value)
     assert msg.startswith("params/paper.yaml: generation (backend: vllm)") and words in msg and "\n" not in msg
 
@@ -88,14 +89,14 @@ def test_quick_plan_check_keeps_the_plan_and_shrinks_it(tmp_path):
     from memtoc import gpuquick, pipeline
     from memtoc.config import load_params
     plan = load_params("params/paper.yaml")
-    q = gpuquick.quick_params("params/paper.yaml", str(tmp_path))
+    q = gpuquick.quick_config("params/paper.yaml", str(tmp_path))
     assert q["models"] == [models.EMBEDDED] and q["backend"] == plan["backend"] == "vllm" and q["dtype"] == plan["dtype"]
     assert q["judge"]["model"] == models.EMBEDDED and q["judge"]["backend"] == plan["judge"]["backend"]
     assert q["n_questions"] == 2 and q["finetune"]["max_steps"] == 1 and q["backend_options"]["gpu_memory_utilization"] <= 0.3
     assert q["output_root"] == str(tmp_path) and q["run_name"] == "gpucheck-quick"
     steps = {s.number: s.run for s in pipeline.plan(q)}
-    assert steps == {s.number: s.run for s in pipeline.plan(plan)}           # the same stages run
-    q70 = gpuquick.quick_params("params/scale70b.yaml", str(tmp_path))
+    assert steps == {s.number: s.run for s in pipeline.plan(RunConfig.of(plan))}           # the same stages run
+    q70 = gpuquick.quick_config("params/scale70b.yaml", str(tmp_path))
     assert {s.number for s in pipeline.plan(q70) if not s.run} >= {"04", "05", "06", "07"}
 
 

@@ -2,11 +2,13 @@
 
 1. No ``*_DEFAULTS`` dict outside the config layer (:data:`CONFIG_LAYER`): defaults live in the
    typed blocks (``memtoc.blockconfig``) and ``memtoc.config.DEFAULTS``.
-2. No stage function takes the raw params dict. Detected in the stage modules (:data:`STAGE_MODULES`)
-   as a parameter named ``P`` or ``params`` that is unannotated or annotated with ``dict`` /
-   ``Mapping``, or any parameter annotated ``RunConfig | dict`` (or ``Mapping``): a stage takes
-   the typed ``RunConfig`` (or its block) only. The pipeline, the preflight and the dry run read
-   the params file and are not stage modules.
+2. No function takes the raw params dict outside the config layer and the two edges that turn one
+   into a ``RunConfig`` (:data:`PARAMS_EDGES`: the notebooks' parameter resolution, which merges
+   papermill's injected keys, and ``memtoc merge``, which reads the shards' recorded params).
+   Detected as a parameter named ``P`` or ``params`` that is unannotated or annotated with ``dict``
+   / ``Mapping``, or any parameter annotated ``RunConfig | dict`` (or ``Mapping``): the stages, the
+   pipeline, the preflight, the dry run and the GPU and server checks take the typed ``RunConfig``
+   (or its block) only.
 3. No path under a run directory joined outside ``RunPaths``: tests/test_runpaths.py's scan (run
    there; :func:`house_violations` lists it beside the others).
 4. No module of memtoc/ over :data:`MAX_MODULE_LINES` lines.
@@ -32,13 +34,7 @@ MAX_FUNCTION_LINES = 80
 
 CONFIG_LAYER = ("memtoc/config.py", "memtoc/runconfig.py", "memtoc/judgeconfig.py", "memtoc/vocab.py",
                 "memtoc/blockconfig/")
-STAGE_MODULES = ("memtoc/construct.py", "memtoc/elicitation.py", "memtoc/episodes.py", "memtoc/evaluation.py",
-                 "memtoc/judge.py", "memtoc/analyses/", "memtoc/finetune/", "memtoc/probes/", "memtoc/transfer/",
-                 "memtoc/agent/", "memtoc/claims.py", "memtoc/report.py", "memtoc/replication.py")
-#: raw-params functions not yet moved to the typed configuration ("file:function" -> count); may only go down
-PENDING_RAW_PARAMS = {
-    "memtoc/transfer/core.py:transfer_params": 1,
-}
+PARAMS_EDGES = ("memtoc/nb.py", "memtoc/merge.py")
 RAW_NAMES = {"P", "params"}
 _DICTLIKE = re.compile(r"\b(dict|Dict|Mapping|MutableMapping)\b")
 
@@ -81,7 +77,7 @@ def takes_raw_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def raw_params_functions(rel: str, tree: ast.Module) -> list[str]:
-    if not _under(rel, STAGE_MODULES):
+    if _under(rel, CONFIG_LAYER) or _under(rel, PARAMS_EDGES):
         return []
     return [f"{rel}:{fn.name}" for fn in _functions(tree) if takes_raw_params(fn)]
 
@@ -120,15 +116,17 @@ def test_no_defaults_dict_outside_the_config_layer(modules):
     assert not found, f"defaults belong in the typed blocks (memtoc/blockconfig/): {found}"
 
 
-def test_no_stage_function_takes_the_raw_params_dict(modules):
-    found: dict[str, int] = {}
-    for rel, tree, _ in modules:
-        for name in raw_params_functions(rel, tree):
-            found[name] = found.get(name, 0) + 1
-    over = {k: n for k, n in found.items() if n > PENDING_RAW_PARAMS.get(k, 0)}
-    assert not over, f"take the typed RunConfig (memtoc.runconfig) or its block, not the params dict: {over}"
-    gone = sorted(k for k in PENDING_RAW_PARAMS if k not in found)
-    assert not gone, f"moved to the typed configuration: remove {gone} from PENDING_RAW_PARAMS"
+def test_no_function_takes_the_raw_params_dict(modules):
+    found = [f for rel, tree, _ in modules for f in raw_params_functions(rel, tree)]
+    assert not found, f"take the typed RunConfig (memtoc.runconfig) or its block, not the params dict: {found}"
+
+
+def test_stage_entry_points_refuse_a_params_dict():
+    from memtoc import pipeline, selection
+    from memtoc.finetune import stage as ft_stage
+    for fn in (pipeline.plan, ft_stage.run, lambda p: selection.run_selection(p, None)):
+        with pytest.raises(TypeError, match="takes a RunConfig"):
+            fn({"models": ["x"]})
 
 
 def test_no_module_over_the_size_limit(modules):

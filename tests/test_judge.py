@@ -281,13 +281,13 @@ def test_run_judge_writes_the_cache_and_reuses_it(scored, tmp_path):
 
 def test_add_judged_is_a_no_op_without_a_judge(scored, tmp_path):
     summary = {"models": {"m": {}}}
-    P = dict(DEFAULTS, run_dir=tmp_path)
+    P = RunConfig.of(dict(DEFAULTS, run_dir=tmp_path))
     assert J.add_judged(summary, {"m": scored}, P) is summary
     assert not (tmp_path / "scored_judged").exists() and not (tmp_path / "generations").exists()
 
 
 def test_add_judged_writes_rows_and_the_summary_section(scored, tmp_path):
-    P = dict(DEFAULTS, run_dir=tmp_path, n_boot=50, judge={"model": "fake-judge"})
+    P = RunConfig.of(dict(DEFAULTS, run_dir=tmp_path, n_boot=50, judge={"model": "fake-judge"}))
     gen = ScriptedGenerator(_rule, name="fake-judge")
     out = J.add_judged({"models": {}}, {"m": scored}, P, generator=gen)
     sec = out["judged"]

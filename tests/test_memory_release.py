@@ -12,7 +12,6 @@ import pytest
 from memtoc import finetune as F
 from memtoc import models
 from memtoc.benchmark import load_benchmark
-from memtoc.config import load_params
 from memtoc.finetune import training
 from memtoc.runconfig import RunConfig
 
@@ -43,9 +42,9 @@ def tiny_base(tmp_path_factory):
 
 
 def _train(tiny_base, tmp_path, monkeypatch, objective):
-    cfg = load_params(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2, "train_questions_per_fold": 2,
-                                                    "train_dtype": "float32"}})
-    ft = RunConfig.of(cfg).finetune
+    cfg = RunConfig.load(None, overrides={"finetune": {"max_steps": 1, "batch_size": 2, "train_questions_per_fold": 2,
+                                                       "train_dtype": "float32"}})
+    ft = cfg.finetune
     _, examples = F.plan(cfg, load_benchmark(None))
     seen = []
     real = training.load_train_model

@@ -126,9 +126,9 @@ def test_memtoc_run_is_recognised(tmp_path, monkeypatch):
 
 
 def _bookkeeping(tmp_path, notebook: Path) -> nb._Bookkeeping:
-    params = pipeline.resolve_paths(load_params(SMOKE, overrides={"output_root": str(tmp_path / "out")}))
+    run = pipeline.resolve_paths(RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out")}))
     call = _call(notebook=str(notebook))
-    bk = nb._Bookkeeping(params, str(SMOKE), call, tmp_path)
+    bk = nb._Bookkeeping(run, call, tmp_path)
     bk.open()
     return bk
 
@@ -149,7 +149,7 @@ def test_papermill_bookkeeping_lock_config_and_stage_record(tmp_path):
     assert cfg["status"] == "ok" and cfg["notebooks"][0]["status"] == "ok"
     digest = cfg["provenance"]["release"]["digest"]
     rec = cfg["stages"]["01_construction"]
-    assert rec["params_sha256"] == pipeline.stage_record(bk.params, "01", digest, rec["finished"])["params_sha256"]
+    assert rec["params_sha256"] == pipeline.stage_record(bk.run, "01", digest, rec["finished"])["params_sha256"]
     assert yaml.safe_load((rd / "params.yaml").read_text())["run_name"] == "smoke"
 
     # a failed cell: no stage record; notebook 02 then refuses 01's outputs made with other parameters

@@ -11,6 +11,7 @@ import yaml
 
 from memtoc import pipeline
 from memtoc.config import REPO_ROOT, ConfigError, load_params
+from memtoc.runconfig import RunConfig
 
 SMOKE = str(REPO_ROOT / "params" / "smoke.yaml")
 
@@ -39,12 +40,12 @@ def test_set_goes_through_validation():
 
 def test_plan_order_skips_and_only(tmp_path):
     d = _nbdir(tmp_path, ["03_evaluation.ipynb", "01_construction.ipynb", "04_finetuning.ipynb", "notes.ipynb"])
-    P = load_params(SMOKE)
+    P = RunConfig.load(SMOKE)
     steps = pipeline.plan(P, None, d)
     assert [s.number for s in steps] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]   # the registry's stages
     assert [s.name for s in steps if s.run] == ["01_construction", "03_evaluation", "04_finetuning"]
     assert "no notebook" in next(s for s in steps if s.number == "02").reason
-    P2 = load_params(SMOKE, overrides={"finetune": {"enabled": False}})
+    P2 = RunConfig.load(SMOKE, overrides={"finetune": {"enabled": False}})
     s4 = next(s for s in pipeline.plan(P2, None, d) if s.number == "04")
     assert not s4.run and "finetune.enabled" in s4.reason
     assert [s.name for s in pipeline.plan(P, ["03_evaluation", "01"], d)] == ["01_construction", "03_evaluation"]
@@ -54,7 +55,7 @@ def test_plan_order_skips_and_only(tmp_path):
 
 def test_run_writes_config_and_resolved_params(tmp_path):
     d = _nbdir(tmp_path, ["01_a.ipynb", "03_b.ipynb"])
-    P = load_params(SMOKE, overrides={"output_root": str(tmp_path / "out")})
+    P = RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out")})
     seen = []
 
     def fake(src, dst, params_file, log_output):
@@ -71,7 +72,7 @@ def test_run_writes_config_and_resolved_params(tmp_path):
     pf = seen[0][1]
     assert pf == rd / "params.yaml"
     # the resolved copy reproduces the parameters exactly, with the release folder made absolute
-    assert load_params(pf) == {**P, "release_dir": str(pipeline.resolve_release_dir(None))}
+    assert load_params(pf) == {**P.as_params(with_run_dir=False), "release_dir": str(pipeline.resolve_release_dir(None))}
     c = json.loads((rd / "config.json").read_text())
     assert c["status"] == "ok" and c["params"]["run_name"] == "smoke"
     ok = [n for n in c["notebooks"] if n["status"] == "ok"]
@@ -91,7 +92,7 @@ def test_run_writes_config_and_resolved_params(tmp_path):
 
 def test_failure_names_notebook_and_copy(tmp_path):
     d = _nbdir(tmp_path, ["01_a.ipynb", "02_boom.ipynb", "03_c.ipynb"])
-    P = load_params(SMOKE, overrides={"output_root": str(tmp_path / "out")})
+    P = RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out")})
     ran = []
 
     def fake(src, dst, params_file, log_output):

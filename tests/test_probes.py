@@ -264,14 +264,13 @@ def test_published_blocks():
 
 def test_pipeline_skips_05_when_probes_disabled(tmp_path):
     from memtoc import pipeline
-    from memtoc.config import load_params
     d = tmp_path / "nb"
     d.mkdir()
     (d / "05_probes.ipynb").write_text("{}")
-    P = load_params(None, overrides={"probes": {"enabled": False}})
+    P = RunConfig.load(None, overrides={"probes": {"enabled": False}})
     s5 = next(s for s in pipeline.plan(P, None, d) if s.number == "05")
     assert not s5.run and "probes.enabled" in s5.reason
-    assert next(s for s in pipeline.plan(load_params(None), None, d) if s.number == "05").run
+    assert next(s for s in pipeline.plan(RunConfig.load(None), None, d) if s.number == "05").run
 
 
 def test_run_sae_skips_with_too_few_mining_episodes(tmp_path):

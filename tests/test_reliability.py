@@ -22,7 +22,7 @@ import pytest
 from memtoc import cache, claims, cli, evaluation, nb, pipeline, progress, runlock
 from memtoc.backends.base import Generator, LazyGenerator, Reply
 from memtoc.benchmark import load_benchmark
-from memtoc.config import DEFAULTS, REPO_ROOT, ConfigError, DataError, load_params, resolve_release_dir
+from memtoc.config import REPO_ROOT, ConfigError, DataError, load_params, resolve_release_dir
 from memtoc.runconfig import RunConfig
 
 SMOKE = str(REPO_ROOT / "params" / "smoke.yaml")
@@ -38,7 +38,7 @@ def _nbdir(tmp_path, names=("01_a.ipynb", "02_b.ipynb", "03_c.ipynb")):
 
 
 def _params(tmp_path, **over):
-    return load_params(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
+    return RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
 
 
 def _ok(src, dst, params_file, log_output):
@@ -87,7 +87,7 @@ def test_a_second_concurrent_run_gets_a_clear_error_naming_the_holder(tmp_path, 
 def test_two_processes_on_one_run_directory(tmp_path):
     """A real second process holds the lock: `memtoc run` exits 2 with one line naming its pid."""
     P = _params(tmp_path)
-    rd = pipeline.run_dir(P)
+    rd = P.run_dir
     rd.mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
@@ -111,7 +111,7 @@ def test_two_processes_on_one_run_directory(tmp_path):
 def test_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
     d = _nbdir(tmp_path)
     P = _params(tmp_path)
-    rd = pipeline.run_dir(P)
+    rd = P.run_dir
     rd.mkdir(parents=True)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -128,14 +128,14 @@ def test_stale_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path):
 
 def test_sigkill_leaves_a_run_that_reads_as_interrupted(tmp_path):
     P = _params(tmp_path)
-    rd = pipeline.run_dir(P)
+    rd = P.run_dir
     d = _nbdir(tmp_path)
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
         from memtoc import pipeline
-        from memtoc.config import load_params
-        P = load_params({SMOKE!r}, overrides={{"output_root": {str(tmp_path / 'out')!r}}})
+        from memtoc.runconfig import RunConfig
+        P = RunConfig.load({SMOKE!r}, overrides={{"output_root": {str(tmp_path / 'out')!r}}})
         def slow(src, dst, pf, lo):
             time.sleep(120)
         pipeline.run(P, None, notebook_dir=Path({str(d)!r}), executor=slow)
@@ -283,7 +283,7 @@ def test_unwritable_output_folder_is_one_line(tmp_path, capsys):
 def test_full_disk_fails_cleanly(tmp_path):
     d = _nbdir(tmp_path)
     P = _params(tmp_path)
-    rd = pipeline.run_dir(P)
+    rd = P.run_dir
 
     def full(src, dst, params_file, log_output):
         if "02" in src.name:
@@ -301,7 +301,7 @@ def test_full_disk_fails_cleanly(tmp_path):
 def test_full_disk_while_writing_config_leaves_no_temp_file(tmp_path, monkeypatch):
     d = _nbdir(tmp_path)
     P = _params(tmp_path)
-    rd = pipeline.run_dir(P)
+    rd = P.run_dir
     real = Path.write_text
     calls = {"n": 0}
 
@@ -340,7 +340,7 @@ def test_everything_is_validated_before_the_first_notebook(tmp_path, over, field
     d = _nbdir(tmp_path)
     ran = []
     with pytest.raises(ConfigError, match=field):
-        P = load_params(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
+        P = RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
         pipeline.run(P, None, notebook_dir=d, executor=lambda *a: ran.append(a), echo=lambda m: None)
     assert ran == [] and not (tmp_path / "out").exists()
 
@@ -502,8 +502,8 @@ def test_dry_run_prints_the_plans_without_weights(capsys):
 
 def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     from memtoc import dryrun, finetune
-    P = load_params(REPO_ROOT / "params" / "paper.yaml")
-    ft = RunConfig.of(P).finetune
+    P = RunConfig.load(REPO_ROOT / "params" / "paper.yaml")
+    ft = P.finetune
     assert "llama-3.1-8b" in P["models"] and "llama-3.1-8b" not in ft["models"]    # the base model is not tuned
     bench = load_benchmark(P.get("release_dir"))
     fr = dryrun.finetune_requests(P, ft, bench)
@@ -565,14 +565,15 @@ def test_progress_lines_show_rate_and_what_is_left(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ fault injection
 
 # as small as the pipeline allows: 2 questions, one formulation, no extra arms, one SFT adapter of one
-# optimizer step trained on fold 1 and evaluated on the 2 questions (both in fold 0), no transfer
+# optimizer step trained on fold 1 and evaluated on the 2 questions (both in fold 0); no transfer, probes
+# or agent loop (06, 05, 07: the kill points are in 02, 03 and 04; 07's own kill-and-resume is
+# tests/test_agent.py's, and the smoke pipeline test reruns 05-07 from their caches)
 SMALL = ["--set", "n_questions=2", "--set", "n_questions_extra=0", "--set", "formulations=[reference]",
          "--set", "max_new_tokens=12",
          "--set", "extra_arms=[]", "--set", "n_boot=20", "--set", "n_perm=20",
          "--set", "finetune={enabled: true, objectives: [sft], folds: [1], train_questions_per_fold: 2, "
-                  "eval_questions_per_fold: 1, max_steps: 1, batch_size: 2}"]
-if "transfer" in DEFAULTS:
-    SMALL += ["--set", "transfer.enabled=false"]
+                  "eval_questions_per_fold: 1, max_steps: 1, batch_size: 2}",
+         "--set", "transfer.enabled=false", "--set", "probes.enabled=false", "--set", "agent.enabled=false"]
 VOLATILE = {"seconds", "created", "time", "started", "finished", "seconds_per_step", "elapsed", "s_per_step",
             "wall_seconds", "path", "run_dir", "tokens_per_second", "resumed", "timing"}
 
@@ -702,6 +703,6 @@ def test_dry_run_splits_a_model_over_tensor_parallel_gpus():
     assert dryrun.estimate_model(bf16, "transformers", "bfloat16", {"tensor_parallel_size": 4})["gpus"] == 1
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         dryrun.estimate_model(spec, "vllm", "float16", {"tensor_parallel_size": 0})
-    P = load_params(REPO_ROOT / "params" / "scale70b.yaml")
-    P["backend_options"] = {**P["backend_options"], "tensor_parallel_size": 2}
+    P = RunConfig.load(REPO_ROOT / "params" / "scale70b.yaml", overrides={"backend_options": {"tensor_parallel_size": 2}})
+    assert P.backend_options["tensor_parallel_size"] == 2 and P.backend_options["quantization"]   # merged over the file's
     assert dryrun.dry_run_json(P, source="scale70b+tp2")["gpus_per_model"] == 2

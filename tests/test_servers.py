@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from memtoc import cli, servers
+from memtoc.runconfig import RunConfig
 from memtoc.config import ConfigError
 
 
@@ -44,27 +45,27 @@ def _dead_url():
 
 def test_every_configured_server_is_listed():
     p = {"backend": "openai", "backend_options": {"base_url": "http://a/v1/"},
-         "judge": {"backend": "openai", "backend_options": {"base_url": "http://b/v1"}},
+         "judge": {"model": "judge-model", "backend": "openai", "backend_options": {"base_url": "http://b/v1"}},
          "agent": {"enabled": True, "runtime": "openai", "runtime_options": {"base_url": "http://c/v1"}}}
-    got = [(s.setting, s.base_url) for s in servers.configured_servers(p)]
+    got = [(s.setting, s.base_url) for s in servers.configured_servers(RunConfig.of(p))]
     assert got == [("backend_options.base_url", "http://a/v1"), ("judge.backend_options.base_url", "http://b/v1"),
                    ("agent.runtime_options.base_url", "http://c/v1")]
-    assert servers.configured_servers({"backend": "transformers", "agent": {"enabled": False, "runtime": "openai"}}) == []
+    assert servers.configured_servers(RunConfig.of({"backend": "transformers", "agent": {"enabled": False, "runtime": "openai"}})) == []
 
 
 def test_a_live_server_passes_and_a_dead_one_is_one_line(live_url):
-    assert servers.check_servers({"backend": "openai", "backend_options": {"base_url": live_url}}, "p.yaml")
+    assert servers.check_servers(RunConfig.of({"backend": "openai", "backend_options": {"base_url": live_url}}), "p.yaml")
     dead = _dead_url()
     with pytest.raises(ConfigError) as e:
-        servers.check_servers({"backend": "transformers", "agent": {"runtime": "openai",
-                               "runtime_options": {"base_url": dead}}}, "p.yaml", timeout=2)
+        servers.check_servers(RunConfig.of({"backend": "transformers", "agent": {"runtime": "openai",
+                              "runtime_options": {"base_url": dead}}}), "p.yaml", timeout=2)
     msg = str(e.value)
     assert msg.startswith(f"p.yaml: agent.runtime_options.base_url: {dead} did not answer") and "\n" not in msg
 
 
 def test_a_wrong_path_is_named(live_url):
     with pytest.raises(ConfigError, match="HTTP 404"):
-        servers.check_servers({"backend": "openai", "backend_options": {"base_url": live_url + "/x"}}, "p.yaml")
+        servers.check_servers(RunConfig.of({"backend": "openai", "backend_options": {"base_url": live_url + "/x"}}), "p.yaml")
 
 
 def test_run_with_a_dead_server_fails_in_seconds_before_01(tmp_path, capsys):

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from memtoc import dryrun, pipeline, stages
-from memtoc.config import REPO_ROOT, ConfigError, load_params
+from memtoc.config import REPO_ROOT, ConfigError
+from memtoc.runconfig import RunConfig
 
 SMOKE = str(REPO_ROOT / "params" / "smoke.yaml")
 ALL = ("01_construction", "02_elicitation", "03_evaluation", "04_finetuning", "05_probes", "06_transfer",
@@ -24,7 +25,7 @@ def _nbdir(tmp_path, names=ALL):
 
 
 def _params(tmp_path, **over):
-    return load_params(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
+    return RunConfig.load(SMOKE, overrides={"output_root": str(tmp_path / "out"), **over})
 
 
 def _ok(src, dst, params_file, log_output):
@@ -32,9 +33,9 @@ def _ok(src, dst, params_file, log_output):
 
 
 # hooks of the throwaway stage (named by "module:function" in its registry entry)
-def throwaway_preflight(params, source, facts):
+def throwaway_preflight(cfg, source, facts):
     SEEN.append(("preflight", facts["n_analysis"]))
-    if params["n_boot"] < 100:
+    if cfg.n_boot < 100:
         raise ConfigError(f"{source}: field 'n_boot': the throwaway stage needs at least 100 resamples")
 
 
@@ -86,7 +87,7 @@ def test_stage_keys_follow_what_each_stage_reads():
 def _full_run(tmp_path, P):
     d = _nbdir(tmp_path)
     pipeline.run(P, None, notebook_dir=d, executor=_ok, echo=lambda m: None)
-    return d, json.loads((pipeline.run_dir(P) / "config.json").read_text())
+    return d, json.loads((P.run_dir / "config.json").read_text())
 
 
 def test_an_agent_only_change_reruns_07_and_leaves_04_to_06(tmp_path):
@@ -96,7 +97,7 @@ def test_an_agent_only_change_reruns_07_and_leaves_04_to_06(tmp_path):
     ran = []
     pipeline.run(P2, ["07"], notebook_dir=d, executor=lambda s, dst, pf, lo: (ran.append(s.name), _ok(s, dst, pf, lo)),
                  echo=lambda m: None)
-    after = json.loads((pipeline.run_dir(P) / "config.json").read_text())
+    after = json.loads((P.run_dir / "config.json").read_text())
     assert ran == ["07_agent_loop.ipynb"]
     for name in ("04_finetuning", "05_probes", "06_transfer"):
         assert after["stages"][name]["params_sha256"] == before["stages"][name]["params_sha256"]

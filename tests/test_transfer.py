@@ -20,10 +20,15 @@ from memtoc.runconfig import RunConfig
 from memtoc.scoring import canon
 from memtoc.transfer import (ABSTAIN, TransferDataError, TransferError, build_episodes, check_no_memtoc_leak, import_faitheval,
                              load_items, match_choice, reverse_examples, score_lines, score_replies, select_items,
-                             transfer_params, validate_file, validate_lines)
+                             validate_file, validate_lines)
 from memtoc.transfer import core
 from memtoc.transfer import tables as transfer_tables
 from memtoc.transfer.data import builtin_path
+
+
+def _transfer(P):
+    """The run's typed ``transfer`` block of the params mapping ``P``."""
+    return RunConfig.of(P).transfer
 
 FIX = Path(__file__).parent / "fixtures" / "transfer"
 L4 = ["A", "B", "C", "D"]
@@ -191,7 +196,7 @@ def test_builtin_set_ships_as_package_data():
 
 def test_reverse_examples_have_no_memtoc_content(bench):
     items, _ = load_items("builtin")
-    cf, _ = select_items(items, transfer_params({}))
+    cf, _ = select_items(items, _transfer({}))
     ex = reverse_examples(cf, ["reference", "paraphrase_a", "paraphrase_b"])
     assert len(ex) == 60 * 2 * 3
     assert all(e.chosen == f"FINAL: {cf[0].gold_text}" for e in ex if e.question_id == cf[0].id)
@@ -220,7 +225,7 @@ def test_leak_check_refuses_memtoc_question_gold_and_distractor(bench):
 
 def test_episodes_and_metrics_on_synthetic_replies():
     items, _ = load_items("builtin")
-    tr = transfer_params({"transfer": {"n_counterfactual": 3, "n_unanswerable": 2, "formulations": ["reference"]}})
+    tr = _transfer({"transfer": {"n_counterfactual": 3, "n_unanswerable": 2, "formulations": ["reference"]}})
     cf, un = select_items(items, tr)
     eps = build_episodes(cf, un, tr["formulations"], tr["frames"])
     assert [e.condition for e in eps].count("closed_book") == 3 and len(eps) == 3 * 3 + 2
@@ -263,31 +268,31 @@ def test_episodes_and_metrics_on_synthetic_replies():
 
 
 def test_transfer_params_and_config():
-    tr = transfer_params({"formulations": ["reference", "paraphrase_a"]})
+    tr = _transfer({"formulations": ["reference", "paraphrase_a"]})
     assert tr.formulations == ("reference", "paraphrase_a") and tr.enabled
     assert tr.to_dict()["formulations"] == ["reference", "paraphrase_a"]          # as the summary records it
     assert RunConfig.of({"formulations": ["reference", "paraphrase_a"]}).transfer == tr
     with pytest.raises(ConfigError, match="transfer.frames"):
-        transfer_params({"transfer": {"frames": ["table"]}})
+        _transfer({"transfer": {"frames": ["table"]}})
     with pytest.raises(ConfigError, match="transfer.extra_adapters"):
-        transfer_params({"transfer": {"extra_adapters": {"untreated": "/x"}}})
-    assert transfer_params({"transfer": {"extra_adapters": {"pool575_dpo": "/a"}}}).extra_adapters == {"pool575_dpo": "/a"}
+        _transfer({"transfer": {"extra_adapters": {"untreated": "/x"}}})
+    assert _transfer({"transfer": {"extra_adapters": {"pool575_dpo": "/a"}}}).extra_adapters == {"pool575_dpo": "/a"}
     with pytest.raises(ConfigError, match="unknown transfer key"):
-        transfer_params({"transfer": {"n_items": 3}})
+        _transfer({"transfer": {"n_items": 3}})
     with pytest.raises(ConfigError, match="'transfer'"):
         load_params(overrides={"transfer": [1]})
     for name in ("default", "smoke"):
         P = load_params(Path(__file__).parents[1] / "params" / f"{name}.yaml")
-        assert transfer_params(P)["enabled"]
+        assert _transfer(P)["enabled"]
 
 
 def test_pipeline_runs_06_between_04_and_08():
-    P = load_params(Path(__file__).parents[1] / "params" / "smoke.yaml")
+    P = RunConfig.load(Path(__file__).parents[1] / "params" / "smoke.yaml")
     names = [s.name for s in plan(P) if s.run]
     # 06 after 04 (it reads 04's adapters) and before 08 (the report); 05 / 07 may sit between
     assert names.index("04_finetuning") < names.index("06_transfer") < names.index("08_paper")
     assert [n for n in names if n[:2] in ("04", "06", "08")] == ["04_finetuning", "06_transfer", "08_paper"]
-    off = [s for s in plan(load_params(overrides={"transfer": {"enabled": False}})) if s.number == "06"]
+    off = [s for s in plan(RunConfig.load(overrides={"transfer": {"enabled": False}})) if s.number == "06"]
     assert off and not off[0].run and "transfer.enabled" in off[0].reason
 
 

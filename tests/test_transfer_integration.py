@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from memtoc import finetune
-from memtoc.config import load_params, run_dir
 from memtoc.models import EMBEDDED
+from memtoc.runconfig import RunConfig
 from memtoc.transfer import core, forward_table, read_summary, reverse_table
 from memtoc.transfer import tables as transfer_tables
 
@@ -15,15 +15,14 @@ pytestmark = pytest.mark.integration
 
 
 def test_transfer_core_forward_and_reverse(tmp_path):
-    P = load_params(overrides={
+    P = RunConfig.load(overrides={
         "run_name": "transfer_it", "output_root": str(tmp_path), "formulations": ["reference"],
         "n_questions": 2, "max_new_tokens": 24, "n_boot": 50, "n_perm": 50,
         "finetune": {"enabled": True, "max_steps": 1, "batch_size": 1},
         "transfer": {"n_counterfactual": 2, "n_unanswerable": 1, "formulations": ["reference"],
                      "forward_objectives": ["dpo"], "forward_folds": [0], "reverse_max_steps": 1,
                      "reverse_batch_size": 1, "reverse_eval_questions": 1}})
-    rd = run_dir(P)
-    P["run_dir"] = rd
+    rd = P.run_dir
     s1 = core.run(P, progress=False)
     rev = s1["models"][EMBEDDED]["reverse"]
     assert rev["leak_check"]["passed"] and rev["training"]["steps"] == 1 and not rev["training"]["resumed"]
@@ -31,7 +30,7 @@ def test_transfer_core_forward_and_reverse(tmp_path):
     assert "no finished adapters" in s1["models"][EMBEDDED]["forward_note"]
     # stand in for notebook 04's fold-0 DPO adapter: the reverse adapter (any finished peft adapter)
     shutil.copytree(rev["adapter"], finetune.adapter_dir(rd, EMBEDDED, "dpo", 0))
-    s2 = core.run({**P, "transfer": {**P["transfer"], "reverse": False}}, progress=False)
+    s2 = core.run(P.replace(transfer={**P["transfer"], "reverse": False}), progress=False)
     m = s2["models"][EMBEDDED]
     assert "reverse" not in m
     f = m["forward"]["dpo_fold0"]

@@ -57,7 +57,7 @@ from ..blockconfig import AgentConfig
 from ..config import MemtocError, resolve_release_dir
 from ..figures import save as save_figure
 from ..prompts import error_payload, value_output
-from ..runconfig import RunConfig, RunPaths
+from ..runconfig import RunConfig, expect_config, RunPaths
 from ..selection import run_selection
 from .metrics import METRIC_DOC, episodes_frame, in_slice, summarize_model, summary_table
 from .protocols import PROTOCOLS, EpisodeSpec
@@ -97,7 +97,7 @@ def planned_requests(cfg: RunConfig, model: str) -> dict[str, int]:
     """Notebook 07's work for ``model`` without running it (``memtoc run --dry-run``): episodes and
     model requests at most (every memory-right addition counted; 02's cached closed-book answers not).
     ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "agent.planned_requests")
     a = cfg.agent
     if model not in a.models:
         return {"episodes": 0, "requests_max": 0}

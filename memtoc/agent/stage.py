@@ -25,7 +25,7 @@ import pandas as pd
 from .. import models, progress
 from ..benchmark import load_benchmark
 from ..io import write_json
-from ..runconfig import RunConfig
+from ..runconfig import RunConfig, expect_config
 from .contrasts import paired
 from .core import (build_specs, formulations_of, memory_for, model_block, published_block, questions_for,
                    runtime_for, runtime_key, slices_of, summary_head)
@@ -42,7 +42,7 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 def run(cfg: RunConfig, show_progress: bool = True, log: Log = print) -> dict[str, Any]:
     """Notebook 07's work; returns the summary written to ``summaries/agent.json``. ``cfg``: the run
     configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "agent.run")
     a = cfg.agent
     bench = load_benchmark(cfg.release_dir)
     summary = summary_head(a)

@@ -11,7 +11,7 @@ from ..selection import run_selection
 from ..config import PAPER_SEED
 from ..construct import related_links
 from ..records import Question
-from ..runconfig import RunConfig
+from ..runconfig import RunConfig, expect_config
 from .common import FinetuneError
 from .data import TrainExample, training_examples
 
@@ -103,7 +103,7 @@ def plan(cfg: RunConfig, bench=None):
     """(plans, examples per training fold) for the run configuration ``cfg`` (a params mapping is
     read with ``RunConfig.of``), leakage-checked (no training). ``bench``: the loaded benchmark, if
     the caller has it (else it is loaded from the run's release)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "finetune.plan")
     ft = cfg.finetune
     if bench is None:
         bench = load_benchmark(cfg.release_dir)

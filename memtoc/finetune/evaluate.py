@@ -11,7 +11,7 @@ from ..episodes import build_episodes
 from ..io import plain
 from ..metrics import metric_units, paired_units
 from ..records import Episode, Question
-from ..runconfig import RunConfig
+from ..runconfig import RunConfig, expect_config
 from ..vocab import FORMULATIONS
 from .common import EVAL_CONDITIONS, METRICS, SHARED_BACKEND_OPTIONS, FinetuneError, close_generator
 
@@ -87,7 +87,7 @@ def eval_generator_kwargs(cfg: RunConfig) -> dict[str, Any]:
     ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to TransformersGenerator. Then
     ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``, else the run's ``dtype``.
     Pure: loads nothing. ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "finetune.eval_generator_kwargs")
     ft = cfg.finetune
     run_opts = dict(cfg.backend_options or {})
     if cfg.backend != "transformers":

@@ -11,7 +11,7 @@ from ..benchmark import load_benchmark
 from ..construct import related_summary
 from ..io import write_jsonl
 from ..metrics import definitions
-from ..runconfig import RunConfig
+from ..runconfig import RunConfig, expect_config
 from .common import METRICS, SCHEMA_VERSION, FinetuneError, adapter_dir, close_generator, write_summary
 from .crossfit import plan
 from .evaluate import (closed_book_counts, eval_episodes, eval_generator_kwargs, evaluate_adapter, paired_deltas,
@@ -28,7 +28,7 @@ def run(cfg: RunConfig, progress: bool = True, force_train: bool = False) -> dic
     transformers backend with :func:`eval_generator_kwargs`, through the generation cache (the
     untreated replies of notebooks 02/03 are reused when their generator settings are the same).
     ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "finetune.run")
     bench = load_benchmark(cfg.release_dir)
     plans, examples = plan(cfg, bench)
     gen_kw = eval_generator_kwargs(cfg)

@@ -38,7 +38,7 @@ from ..benchmark import load_benchmark
 from ..blockconfig import ProbesConfig
 from ..config import ConfigError, MemtocError, resolve_release_dir
 from ..records import arm_key
-from ..runconfig import RunConfig, RunPaths
+from ..runconfig import RunConfig, expect_config, RunPaths
 from ..scoring import canon, strip_answer_label
 from ..weights import model_cache_root
 from . import corpus as C
@@ -422,7 +422,7 @@ def steer_layer(lm, cfg: RunConfig, l, sae, sha, feats, sel, run_dir, matcher, b
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Notebook 05's work for every model of the run; writes ``summaries/probes.json``. ``cfg``: the
     run configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "probes.run")
     pr, run_dir = cfg.probes, cfg.run_dir
     docs, cinfo = C.load_corpus(pr.corpus)
     docs_fit, docs_held = C.split_corpus(docs, max(pr.lens_fit_prompts, pr.sae_corpus_texts), pr.heldout_texts)

@@ -17,7 +17,7 @@ import shutil
 import sys
 
 from .core import (METRICS, TransferConfig, TransferEpisode, TransferError, build_episodes, check_no_memtoc_leak,
-                   metric_units, read_summary, reverse_examples, run, score_replies, select_items, transfer_params)
+                   metric_units, read_summary, reverse_examples, run, score_replies, select_items)
 from .data import (PLUMBING_NOTE, TransferDataError, TransferItem, builtin_path, import_faitheval, load_items,
                    validate_file, validate_lines, write_items)
 from .hub import HUB_SOURCES, add_hub_arguments, import_hub, import_hub_cli

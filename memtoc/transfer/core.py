@@ -64,7 +64,7 @@ from ..config import DEFAULTS, FORMULATIONS, MemtocError, check_choice, resolve_
 from ..metrics import definitions, paired_units
 from ..records import Question
 from ..io import atomic_write_text
-from ..runconfig import RunConfig, RunPaths
+from ..runconfig import RunConfig, expect_config, RunPaths
 from ..scoring import canon
 from ..selection import run_selection
 from .data import POOLS, TransferItem
@@ -107,11 +107,6 @@ class TransferError(MemtocError):
 
 # ==================================================================================================
 # parameters
-
-def transfer_params(params: RunConfig | dict[str, Any], source: str = "<params>") -> TransferConfig:
-    """The run's resolved ``transfer`` block (``RunConfig.of(params, source).transfer``)."""
-    return RunConfig.of(params, source).transfer
-
 
 def select_items(items: Sequence[TransferItem], tr: TransferConfig) -> tuple[list[TransferItem], list[TransferItem]]:
     """(counterfactual items on the frames' common support, unanswerable items), cut to the sizes."""
@@ -364,7 +359,7 @@ def run(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Forward and reverse transfer for every model of the run; writes ``summaries/transfer.json``
     and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary. ``cfg``: the run
     configuration (a params mapping is read with ``RunConfig.of``)."""
-    cfg = RunConfig.of(cfg)
+    cfg = expect_config(cfg, "transfer.run")
     tr = cfg.transfer
     timing: dict[str, float] = {}
     t0 = time.time()
