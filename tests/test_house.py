@@ -2,9 +2,8 @@
 
 1. No ``*_DEFAULTS`` dict outside the config layer (:data:`CONFIG_LAYER`): defaults live in the
    typed blocks (``memtoc.blockconfig``) and ``memtoc.config.DEFAULTS``.
-2. No function takes the raw params dict outside the config layer and the two edges that turn one
-   into a ``RunConfig`` (:data:`PARAMS_EDGES`: the notebooks' parameter resolution, which merges
-   papermill's injected keys, and ``memtoc merge``, which reads the shards' recorded params).
+2. No function takes the raw params dict outside the config layer (which reads, validates and
+   types it: ``RunConfig.of``; the command line, ``memtoc.nb.setup`` and ``memtoc merge`` call it once).
    Detected as a parameter named ``P`` or ``params`` that is unannotated or annotated with ``dict``
    / ``Mapping``, or any parameter annotated ``RunConfig | dict`` (or ``Mapping``): the stages, the
    pipeline, the preflight, the dry run and the GPU and server checks take the typed ``RunConfig``
@@ -34,7 +33,6 @@ MAX_FUNCTION_LINES = 80
 
 CONFIG_LAYER = ("memtoc/config.py", "memtoc/runconfig.py", "memtoc/judgeconfig.py", "memtoc/vocab.py",
                 "memtoc/blockconfig/")
-PARAMS_EDGES = ("memtoc/nb.py", "memtoc/merge.py")
 RAW_NAMES = {"P", "params"}
 _DICTLIKE = re.compile(r"\b(dict|Dict|Mapping|MutableMapping)\b")
 
@@ -77,7 +75,7 @@ def takes_raw_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def raw_params_functions(rel: str, tree: ast.Module) -> list[str]:
-    if _under(rel, CONFIG_LAYER) or _under(rel, PARAMS_EDGES):
+    if _under(rel, CONFIG_LAYER):
         return []
     return [f"{rel}:{fn.name}" for fn in _functions(tree) if takes_raw_params(fn)]
 
