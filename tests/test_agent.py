@@ -540,15 +540,29 @@ def test_guided_to_auto_contrast_and_interval_by_hand(tmp_path):
 def test_default_return_per_params_file():
     from memtoc.config import REPO_ROOT
     got = {f: RunConfig.of(load_params(REPO_ROOT / "params" / f), f).agent
-           for f in ("default.yaml", "full.yaml", "paper.yaml", "smoke.yaml", "agent.yaml")}
+           for f in ("default.yaml", "full.yaml", "paper.yaml", "smoke.yaml", "agent.yaml", "table7.yaml")}
     assert all(a.conditions[0] == "tool_right" for a in got.values())           # the paper's return is reported
     assert got["agent.yaml"].conditions == ("tool_right", "tool_wrong")          # the distractor as an extra arm
-    for f in ("paper.yaml", "agent.yaml", "full.yaml"):
+    for f in ("paper.yaml", "agent.yaml", "full.yaml", "table7.yaml"):
         assert got[f].bootstrap == "percentile" and got[f].n_boot == 2000, f
     assert got["paper.yaml"].adapters == ({"objective": "dpo", "fold": 0}, {"objective": "dpo", "fold": 1})
     assert all(a.sampling is None for a in got.values())
     q = type("Q", (), {"gold": "G", "near": "N"})()
     assert core.observation(q, "tool_right")[0] == "G" and core.observation(q, "tool_wrong")[0] == "N"
+
+
+def test_table7_params_run_the_papers_seven_models_on_their_memory_right_slice():
+    """params/table7.yaml: exactly the models of Table 7's rows (by the paper's printed names), the
+    memory-right slice only, Table 7's three protocols (plus the repair arm), the paper's return."""
+    from memtoc import replication
+    from memtoc.config import REPO_ROOT
+    cfg = RunConfig.of(load_params(REPO_ROOT / "params" / "table7.yaml"), "table7.yaml")
+    rows = {r["model"] for r in replication.printed("probes_agent_transfer")["agent_table7"]["rows"]}
+    assert {replication.paper_model(m) for m in cfg.models} == rows and len(cfg.models) == len(rows)
+    a = cfg.agent
+    assert a.n_questions == 0 and a.memory_right_questions >= cfg.n_questions and a.slices == ("memory_right",)
+    assert {"guided", "auto", "two_stage"} <= set(a.protocols) and a.conditions == ("tool_right",)
+    assert not (cfg.finetune.enabled or cfg.transfer.enabled or cfg.probes.enabled)
 
 
 def test_agent_arm_parameters_are_checked():
