@@ -295,3 +295,16 @@ def test_lens_estimator_on_a_tiny_gemma3_with_sliding_window():
     for l in (1, 2):
         assert torch.allclose(J[l], L.brute_force_jacobian(lm, ids, l, skip_first=2), atol=1e-5)
     assert torch.allclose(L.jacobian_for_prompt(lm, ids, [0, 2], 16, 2)[2], J[2], atol=1e-6)
+
+
+def test_the_lens_figure_says_which_models_and_lenses_it_shows():
+    from memtoc.probes.plots import lens_provenance
+    fitted = {"lens_fit": {"source": "fitted here", "corpus": {"name": "python-pydoc_data-topics", "source": "builtin"}}}
+    assert lens_provenance({"models": {"smollm2-135m-instruct": fitted, "gemma-3-270m": fitted}}) == \
+        "tiny model, offline fit corpus"
+    wiki = {"lens_fit": {"source": "fitted here", "corpus": {"name": "wikitext-103", "source": "file"}}}
+    got = lens_provenance({"models": {"llama-3.1-8b-instruct": {"lens_fit": {"source": "given"}},
+                                      "qwen2.5-7b-instruct": wiki}})
+    assert got == "registry models, given lens, lens fitted on wikitext-103" and "tiny" not in got
+    assert lens_provenance({"models": {"smollm2-135m-instruct": fitted, "gemma-2-9b-it": fitted}}).startswith(
+        "tiny and registry models")

@@ -10,7 +10,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..config import MemtocError  # noqa: E402
 from ..figures import save  # noqa: E402
+from ..models import get_model  # noqa: E402
 
 SPLIT_STYLE = {"followed_tool": "tab:red", "kept_memory": "tab:blue", "control": "tab:gray"}
 
@@ -98,8 +100,29 @@ def plot_lens(summary: dict[str, Any], path: Path, set_name: str = "own_answer")
         ax.set_title(f"{model}: {set_name} (n={sd['n_episodes']})", fontsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
-    fig.suptitle("Jacobian lens (solid) vs logit lens (dashed); tiny model, offline fit corpus", fontsize=9)
+    fig.suptitle(f"Jacobian lens (solid) vs logit lens (dashed); {lens_provenance(summary)}", fontsize=9)
     return save(fig, path)
+
+
+def lens_provenance(summary: dict[str, Any]) -> str:
+    """What the lens panel shows, from the summary: the kind of models (embedded tiny ones, models of
+    the registry) and where each lens came from (given, or fitted on the offline or a named corpus)."""
+    tiny = [_embedded(m) for m in summary["models"]]
+    who = "tiny model" if all(tiny) else "tiny and registry models" if any(tiny) else "registry models"
+    lenses = []
+    for m in summary["models"].values():
+        fit = m.get("lens_fit") or {}
+        corpus = fit.get("corpus") or {}
+        lenses.append("given lens" if fit.get("source") == "given" else "offline fit corpus"
+                      if corpus.get("source") == "builtin" else f"lens fitted on {corpus.get('name', '?')}")
+    return f"{who}, {', '.join(dict.fromkeys(lenses))}"
+
+
+def _embedded(model: str) -> bool:
+    try:
+        return get_model(model).source == "embedded"
+    except MemtocError:
+        return False
 
 
 def plot_steering(summary: dict[str, Any], path: Path) -> Path:
