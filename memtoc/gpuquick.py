@@ -11,6 +11,7 @@ run sizes those) and the time of the full run.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -73,12 +74,21 @@ def quick_overrides(plan: dict[str, Any], output_root: str) -> dict[str, Any]:
 
 
 def quick_config(plan_file: str, output_root: str, device: Optional[str] = None) -> RunConfig:
-    """The tiny check of ``plan_file``, validated; on ``device`` ``cpu`` a vLLM plan runs on transformers."""
-    plan = load_params(plan_file)
-    over = quick_overrides(plan, output_root)
-    if str(device or "").startswith("cpu") and plan["backend"] == "vllm":
-        over["backend"] = "transformers"        # the CPU path of the same plan
-    return RunConfig.of(load_params(plan_file, overrides=over), f"{plan_file} (gpucheck --quick)")
+    """The tiny check of ``plan_file``, validated; on ``device`` ``cpu`` every vLLM generator of the plan
+    (the run's, the judge's) runs on transformers, without the vLLM engine options."""
+    cfg = RunConfig.of(load_params(plan_file, overrides=quick_overrides(load_params(plan_file), output_root)),
+                       f"{plan_file} (gpucheck --quick)")
+    return cpu_path(cfg) if str(device or "").startswith("cpu") else cfg
+
+
+def cpu_path(cfg: RunConfig) -> RunConfig:
+    """The CPU path of the same plan: a vLLM generator becomes a transformers one and drops its engine
+    options (``gpu_memory_utilization``, ``max_model_len`` mean nothing to transformers)."""
+    if cfg.backend == "vllm":
+        cfg = cfg.replace(backend="transformers", backend_options={})
+    if cfg.judge is not None and cfg.judge.backend == "vllm":
+        cfg = cfg.replace(judge=dict(dataclasses.asdict(cfg.judge), backend="transformers", backend_options={}))
+    return cfg
 
 
 def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] = None, log=print) -> int:

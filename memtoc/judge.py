@@ -448,7 +448,7 @@ def changed_counts(det: pd.DataFrame, judged: pd.DataFrame) -> dict[str, int]:
 
 def load_judge(cfg: RunConfig):
     """The judge's Generator (``models.load_generator`` with the ``judge`` block's settings and the
-    run's batch size, dtype and model cache). ``cfg``: the run configuration (or a params mapping)."""
+    run's batch size, dtype and model cache). ``cfg``: the run configuration (a dict is refused)."""
     cfg = expect_config(cfg, "judge.load_judge")
     j = cfg.judge
     if j is None:
@@ -494,7 +494,7 @@ def add_judged(summary: dict, scored_by_model: dict[str, pd.DataFrame], cfg: Run
     ``scored_judged/<model>/<arm_key>.jsonl`` and return ``summary`` plus a ``judged`` section.
     With ``judge: null`` it returns ``summary`` itself, unchanged. ``generator``: an already
     loaded judge (tests); by default the configured one is loaded and closed here. ``cfg``: the run
-    configuration (a params mapping is read with ``RunConfig.of``)."""
+    configuration (a dict is refused)."""
     cfg = expect_config(cfg, "judge.add_judged")
     j = cfg.judge
     if j is None:

@@ -183,9 +183,12 @@ def setup(g: dict[str, Any]) -> RunConfig:
         call = PapermillCall((), str(g["PAPERMILL_INPUT_PATH"]), g.get("PAPERMILL_OUTPUT_PATH"), (), frozenset())
     params, source = resolve(g, start, call)
     # a relative release_dir / $MEMTOC_RELEASE means the working directory the notebook was started
-    # from (`memtoc run` passes an absolute one): resolve it before moving to the project root
-    cfg = pipeline.resolve_paths(RunConfig.of(params, source), cwd=start)
+    # from (`memtoc run` passes an absolute one): made absolute before moving to the project root,
+    # where every other relative path of the params file (local model folders, corpus files) is read
+    rel = pipeline.release_path(params.get("release_dir"), start)
+    params = {**params, "release_dir": None if rel is None else str(rel)}
     os.chdir(REPO_ROOT)
+    cfg = pipeline.resolve_paths(RunConfig.of(params, source))
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     if call is not None:
         _Bookkeeping.start(cfg, call, start)

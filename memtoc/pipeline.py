@@ -6,7 +6,7 @@
 
 What a run does, in order:
 
-1. Reads and validates the parameter file (``config.load_params``); ``--set key=value`` overrides
+1. Reads and validates the parameter file into a ``RunConfig`` (``RunConfig.load``); ``--set key=value`` overrides
    any parameter (values are parsed as YAML; dotted keys reach into mappings, e.g.
    ``finetune.enabled=false``).
 2. Writes ``<run_dir>/params.yaml`` (the fully resolved parameters; every notebook reads this one
@@ -243,13 +243,17 @@ def resolve_paths(cfg: RunConfig, cwd: Path | None = None) -> RunConfig:
     """``cfg`` with ``release_dir`` (or ``$MEMTOC_RELEASE``) resolved once, against the working
     directory of the ``memtoc`` invocation, to an absolute path: the notebooks receive that path and
     never resolve it again (they run with the repository root as working directory)."""
-    given = cfg.release_dir or os.environ.get("MEMTOC_RELEASE") or None
-    if given:
-        path = Path(given).expanduser()
-        if not path.is_absolute():
-            path = (cwd or Path.cwd()) / path
-        return cfg.replace(release_dir=str(resolve_release_dir(path)))
-    return cfg.replace(release_dir=str(resolve_release_dir(None)))
+    return cfg.replace(release_dir=str(resolve_release_dir(release_path(cfg.release_dir, cwd))))
+
+
+def release_path(given: str | None, cwd: Path | None = None) -> Path | None:
+    """``given`` (else ``$MEMTOC_RELEASE``) as an absolute path against ``cwd``; None when neither is
+    set (the release is then looked up in the default places)."""
+    given = given or os.environ.get("MEMTOC_RELEASE") or None
+    if not given:
+        return None
+    path = Path(given).expanduser()
+    return path if path.is_absolute() else (cwd or Path.cwd()) / path
 
 
 def preflight(cfg: RunConfig, steps: list[Step], source: str = "<params>") -> dict[str, Any]:

@@ -76,7 +76,7 @@ class Selection:
 
 
 def run_selection(cfg: RunConfig, bench) -> Selection:
-    """The run's selection from its configuration (a params mapping is read with ``RunConfig.of``)
+    """The run's selection from its configuration (a dict is refused)
     and the loaded benchmark (``benchmark.load_benchmark(cfg.release_dir)``): the benchmark's analysis
     set ordered by :func:`select_questions` with ``cfg.seed``, the run's sizes and formulations."""
     cfg = expect_config(cfg, "selection.run_selection")

@@ -100,6 +100,17 @@ def test_quick_plan_check_keeps_the_plan_and_shrinks_it(tmp_path):
     assert {s.number for s in pipeline.plan(q70) if not s.run} >= {"04", "05", "06", "07"}
 
 
+def test_quick_plan_check_on_the_cpu_drops_the_vllm_engine_everywhere(tmp_path):
+    from memtoc import gpuquick, pipeline
+    q = gpuquick.quick_config("params/paper.yaml", str(tmp_path), device="cpu")
+    assert q.backend == "transformers" and q.backend_options == {}
+    assert q.judge.backend == "transformers" and q.judge.backend_options == {} and q.judge.model == models.EMBEDDED
+    assert q.finetune.backend_options == RunConfig.load("params/paper.yaml").finetune.backend_options
+    assert gpuenv.gpu_needs(q) == []                     # nothing left that asks for CUDA
+    assert [s.number for s in pipeline.plan(q) if s.run] == [s.number for s in pipeline.plan(
+        gpuquick.quick_config("params/paper.yaml", str(tmp_path))) if s.run]
+
+
 def test_quick_plan_check_needs_a_gpu(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("memtoc.gpuquick.check_gpu",
                         lambda params, source: gpuenv.check_gpu(params, source, facts=NO_GPU))

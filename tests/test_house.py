@@ -3,7 +3,8 @@
 1. No ``*_DEFAULTS`` dict outside the config layer (:data:`CONFIG_LAYER`): defaults live in the
    typed blocks (``memtoc.blockconfig``) and ``memtoc.config.DEFAULTS``.
 2. No function takes the raw params dict outside the config layer (which reads, validates and
-   types it: ``RunConfig.of``; the command line, ``memtoc.nb.setup`` and ``memtoc merge`` call it once).
+   types it: ``RunConfig.of``; the command line, ``memtoc.nb.setup``, ``memtoc merge`` and
+   ``gpuquick.quick_config`` call it once).
    Detected as a parameter named ``P`` or ``params`` that is unannotated or annotated with ``dict``
    / ``Mapping``, or any parameter annotated ``RunConfig | dict`` (or ``Mapping``): the stages, the
    pipeline, the preflight, the dry run and the GPU and server checks take the typed ``RunConfig``

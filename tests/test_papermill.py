@@ -53,6 +53,19 @@ def test_f_injection_without_params_file_is_exactly_that_file(tmp_path):
     assert Path.cwd() == REPO_ROOT
 
 
+def test_a_relative_release_is_read_from_the_start_folder(tmp_path, monkeypatch):
+    from memtoc.config import resolve_release_dir
+    release = resolve_release_dir(None)
+    (tmp_path / "data").symlink_to(release, target_is_directory=True)
+    monkeypatch.delenv("MEMTOC_RELEASE", raising=False)
+    cfg = _setup(params_file="params/smoke.yaml", release_dir="data", output_root=str(tmp_path))
+    assert Path(cfg.release_dir) == (tmp_path / "data").resolve() and Path.cwd() == REPO_ROOT
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMTOC_RELEASE", "data")
+    cfg = _setup(params_file="params/smoke.yaml", output_root=str(tmp_path))
+    assert Path(cfg.release_dir) == (tmp_path / "data").resolve()
+
+
 def test_params_file_and_p_keys_over_it(tmp_path):
     cfg = _setup(params_file="params/smoke.yaml", n_boot=7, output_root=str(tmp_path))
     smoke = load_params(SMOKE)

@@ -132,6 +132,35 @@ def test_mutual_information_and_mining_sides():
     assert feats[M.MEMORY][0].agrees is True and feats[M.MEMORY][0].mean_act == 2.0
 
 
+def test_mi_budget_is_the_fewest_latents_holding_the_share():
+    assert M.mi_budget([4, 3, 2, 1], 0.5) == 2          # 7 of 10 >= 5; 4 alone is not
+    assert M.mi_budget([4, 3, 2, 1], 0.4) == 1          # exactly the share
+    assert M.mi_budget([4, 3, 2, 1], 0.7) == 2 and M.mi_budget([4, 3, 2, 1], 0.71) == 3
+    assert M.mi_budget([4, 3, 2, 1], 1.0) == 4
+    assert M.mi_budget([], 0.5) == 0 and M.mi_budget([0.0, 0.0], 0.5) == 0
+
+
+def test_mining_by_mi_share_takes_each_sides_budget():
+    g = torch.Generator().manual_seed(0)
+    y = torch.rand(200, generator=g) < 0.5
+    noise = torch.rand(200, 12, generator=g)
+    # latents 0-5 follow the label with falling reliability (memory side: 0-2, tool side: 3-5), 6-11 are noise
+    flip = torch.stack([noise[:, j] < p for j, p in enumerate((0.02, 0.1, 0.3, 0.02, 0.15, 0.35))], 1)
+    sig = torch.cat([(y[:, None] ^ flip[:, :3]), (~y[:, None] ^ flip[:, 3:])], 1)
+    z = torch.cat([sig.float(), (noise[:, 6:] < 0.5).float()], 1)
+    lab = ["kept_memory" if v else "followed_tool" for v in y]
+    mi = M.mutual_information(z > 0, y)
+    by_top = M.mine_features(z, lab, z, lab, top=12)
+    for share in (0.3, 0.5, 0.7, 1.0):
+        got = M.mine_features(z, lab, z, lab, mi_share=share)
+        for side in (M.MEMORY, M.TOOL):
+            ranked = [f.index for f in by_top[side]]
+            k = M.mi_budget([float(mi[i]) for i in ranked], share)
+            assert [f.index for f in got[side]] == ranked[:k]
+    assert [f.index for f in by_top[M.MEMORY]][:3] == [0, 1, 2] and [f.index for f in by_top[M.TOOL]][:3] == [3, 4, 5]
+    assert len(M.mine_features(z, lab, z, lab, mi_share=0.3)[M.MEMORY]) < len(by_top[M.MEMORY])
+
+
 def test_mining_and_edit_sets_share_no_chain(release_questions):
     qs = release_questions
     rows = [{"question_id": q.id, "instance_id": q.instance_id, "fold": q.fold, "episode_id": q.id} for q in qs]
@@ -220,6 +249,10 @@ def test_probes_params_validation():
         RunConfig.of({"probes": {"directions": ["sideways"]}}).probes
     with pytest.raises(ConfigError, match="strengths"):
         RunConfig.of({"probes": {"strengths": [0]}}).probes
+    assert RunConfig.of({"probes": {"feature_mi_share": 0.5}}).probes.feature_mi_share == 0.5
+    for bad in (0, 1.5, "half", True):
+        with pytest.raises(ConfigError, match=r"probes\.feature_mi_share.*\(0, 1\]"):
+            RunConfig.of({"probes": {"feature_mi_share": bad}}).probes
 
 
 def test_corpus_builtin_and_file(tmp_path):

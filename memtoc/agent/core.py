@@ -96,7 +96,7 @@ REQUESTS_MAX = {"guided": 2, "auto": 2, "two_stage": 3, "oracle": 1, "auto_const
 def planned_requests(cfg: RunConfig, model: str) -> dict[str, int]:
     """Notebook 07's work for ``model`` without running it (``memtoc run --dry-run``): episodes and
     model requests at most (every memory-right addition counted; 02's cached closed-book answers not).
-    ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
+    ``cfg``: the run configuration (a dict is refused)."""
     cfg = expect_config(cfg, "agent.planned_requests")
     a = cfg.agent
     if model not in a.models:

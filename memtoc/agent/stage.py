@@ -41,7 +41,7 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 def run(cfg: RunConfig, show_progress: bool = True, log: Log = print) -> dict[str, Any]:
     """Notebook 07's work; returns the summary written to ``summaries/agent.json``. ``cfg``: the run
-    configuration (a params mapping is read with ``RunConfig.of``)."""
+    configuration (a dict is refused)."""
     cfg = expect_config(cfg, "agent.run")
     a = cfg.agent
     bench = load_benchmark(cfg.release_dir)

@@ -52,7 +52,9 @@ class ProbesConfig(Block):
     # mining and steering
     mine_fold: int = 0
     mine_per_label: int = 6                        # mining episodes per label (kept memory / followed tool)
-    top_features: int = 8
+    top_features: int = 8                          # latents per side, in descending MI order
+    feature_mi_share: float | None = None          # else App. C's K: per side, the fewest latents holding this
+                                                   # share of the side's MI (the paper: 0.5, widened to 0.7)
     steer_per_direction: int = 2                   # the paper: 40 per direction
     strengths: tuple[float, ...] = (12,)           # the paper: 1-12
     directions: tuple[str, ...] = DIRECTIONS
@@ -68,6 +70,9 @@ class ProbesConfig(Block):
         if not isinstance(pr["strengths"], list) or not pr["strengths"] \
                 or any(not is_num(s) or s <= 0 for s in pr["strengths"]):
             fail("strengths", f"must be a list of positive numbers (0 is the baseline, always run), got {pr['strengths']!r}")
+        share = pr["feature_mi_share"]
+        if share is not None and (not is_num(share) or not 0 < share <= 1):
+            fail("feature_mi_share", f"must be a number in (0, 1] (App. C: 0.5) or null for top_features, got {share!r}")
         for key in PER_MODEL:
             if not isinstance(pr[key], dict):
                 fail(key, f"must be a mapping keyed by model name, got {pr[key]!r}")

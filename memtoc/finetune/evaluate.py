@@ -86,7 +86,7 @@ def eval_generator_kwargs(cfg: RunConfig) -> dict[str, Any]:
     04 extracts from replies generated like 03's) -- a vLLM run's engine options such as
     ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to TransformersGenerator. Then
     ``finetune.backend_options`` over them. dtype: ``finetune.eval_dtype``, else the run's ``dtype``.
-    Pure: loads nothing. ``cfg``: the run configuration (a params mapping is read with ``RunConfig.of``)."""
+    Pure: loads nothing. ``cfg``: the run configuration (a dict is refused)."""
     cfg = expect_config(cfg, "finetune.eval_generator_kwargs")
     ft = cfg.finetune
     run_opts = dict(cfg.backend_options or {})

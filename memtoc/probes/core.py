@@ -366,8 +366,8 @@ def mine_and_steer(lm: LoadedModel, cfg: RunConfig, mine: list[dict], edit: list
         zh = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in ho_rows], l, "last"))) \
             if ho_rows else torch.zeros(0, sae.d_sae)
         feats = M.mine_features(z, [r["outcome"] for r in mi_rows], zh, [r["outcome"] for r in ho_rows],
-                                pr.top_features)
-        out[str(l)] = {"features": M.feature_table(feats),
+                                pr.top_features, mi_share=pr.feature_mi_share)
+        out[str(l)] = {"features": M.feature_table(feats), "per_side": {s: len(feats[s]) for s in feats},
                        "heldout_agreement": {s: [f.agrees for f in feats[s]] for s in feats}}
         timing[f"mining_layer{l}"] = time.time() - t0
         if not feats[M.MEMORY] and not feats[M.TOOL]:
@@ -421,7 +421,7 @@ def steer_layer(lm, cfg: RunConfig, l, sae, sha, feats, sel, run_dir, matcher, b
 # -- the stage -----------------------------------------------------------------------------------
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Notebook 05's work for every model of the run; writes ``summaries/probes.json``. ``cfg``: the
-    run configuration (a params mapping is read with ``RunConfig.of``)."""
+    run configuration (a dict is refused)."""
     cfg = expect_config(cfg, "probes.run")
     pr, run_dir = cfg.probes, cfg.run_dir
     docs, cinfo = C.load_corpus(pr.corpus)

@@ -84,10 +84,27 @@ def mutual_information(active: torch.Tensor, label: torch.Tensor) -> torch.Tenso
     return mi
 
 
+def mi_budget(mi_desc: Sequence[float], share: float) -> int:
+    """App. C's feature budget K as a share of mutual information (after SpARE): the fewest latents,
+    taken in descending MI order, whose MI adds up to at least ``share`` of the MI of all of them
+    (0 when none carries any)."""
+    total = float(sum(mi_desc))
+    if total <= 0:
+        return 0
+    acc = 0.0
+    for k, v in enumerate(mi_desc, 1):
+        acc += float(v)
+        if acc >= share * total * (1 - 1e-12):
+            return k
+    return len(mi_desc)
+
+
 def mine_features(z: torch.Tensor, label: Sequence[str], z_held: torch.Tensor, label_held: Sequence[str],
-                  top: int = 8) -> dict[str, list[Feature]]:
-    """Top-``top`` latents by MI on the mining codes ``z`` (n, d_sae; last-position SAE codes), per
-    side, each with its held-out frequency separation."""
+                  top: int = 8, mi_share: float | None = None) -> dict[str, list[Feature]]:
+    """The latents that separate the labels on the mining codes ``z`` (n, d_sae; last-position SAE
+    codes), per side (the label a latent is more often active on), in descending MI order: the first
+    ``top`` of each side, or with ``mi_share`` the side's budget :func:`mi_budget` (App. C's K);
+    each with its held-out frequency separation."""
     z, z_held = z.float().cpu(), z_held.float().cpu()   # small code matrices: mined on the CPU
     y = torch.tensor([l == MEMORY for l in label])
     if y.all() or (~y).all():
@@ -98,23 +115,21 @@ def mine_features(z: torch.Tensor, label: Sequence[str], z_held: torch.Tensor, l
     f_tool = act[~y].float().mean(0)
     yh = torch.tensor([l == MEMORY for l in label_held]) if len(label_held) else torch.zeros(0, dtype=torch.bool)
     held_ok = bool(yh.any()) and bool((~yh).any())
-    if held_ok:
-        ah = z_held > 0
-        sep_h = ah[yh].float().mean(0) - ah[~yh].float().mean(0)
-    out: dict[str, list[Feature]] = {MEMORY: [], TOOL: []}
-    for i in torch.argsort(mi, descending=True).tolist():
-        if mi[i] <= 0:
-            break
-        side = MEMORY if f_mem[i] > f_tool[i] else TOOL if f_tool[i] > f_mem[i] else None
-        if side is None or len(out[side]) >= top:
-            continue
-        on = z[:, i][act[:, i]]
-        hs = float(sep_h[i]) if held_ok else None
-        agrees = None if hs is None else ((hs > 0) if side == MEMORY else (hs < 0))
-        out[side].append(Feature(i, side, float(mi[i]), float(f_mem[i]), float(f_tool[i]),
+    sep_h = (act_h := z_held > 0)[yh].float().mean(0) - act_h[~yh].float().mean(0) if held_ok else None
+    order = torch.argsort(mi, descending=True)
+    order = order[mi[order] > 0]
+    out: dict[str, list[Feature]] = {}
+    for side, on_side in ((MEMORY, f_mem > f_tool), (TOOL, f_tool > f_mem)):
+        idx = order[on_side[order]].tolist()
+        k = top if mi_share is None else mi_budget(mi[idx].tolist(), mi_share)
+        feats = []
+        for i in idx[:k]:
+            on = z[:, i][act[:, i]]
+            hs = float(sep_h[i]) if held_ok else None
+            agrees = None if hs is None else ((hs > 0) if side == MEMORY else (hs < 0))
+            feats.append(Feature(i, side, float(mi[i]), float(f_mem[i]), float(f_tool[i]),
                                  float(on.mean()) if len(on) else 0.0, hs, agrees))
-        if all(len(v) >= top for v in out.values()):
-            break
+        out[side] = feats
     return out
 
 

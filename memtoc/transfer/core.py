@@ -358,7 +358,7 @@ def run_arm(gen, label: str, arm: str, episodes: Sequence[TransferEpisode], run_
 def run(cfg: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Forward and reverse transfer for every model of the run; writes ``summaries/transfer.json``
     and ``transfer/<model>/scored_<arm>.jsonl``. Returns the summary. ``cfg``: the run
-    configuration (a params mapping is read with ``RunConfig.of``)."""
+    configuration (a dict is refused)."""
     cfg = expect_config(cfg, "transfer.run")
     tr = cfg.transfer
     timing: dict[str, float] = {}
