@@ -502,7 +502,7 @@ def _start_record(cfg: RunConfig, only, steps, record: dict[str, Any]) -> tuple[
     if stale:
         raise PipelineError(
             "this run would mix outputs computed with different parameters: " + " | ".join(stale)
-            + f". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
+            + ". Rerun the whole pipeline (without --only), or from that stage on, with these parameters; "
             "or use another run_name")
     paths.notebooks.mkdir(parents=True, exist_ok=True)
     params = cfg.as_params(with_run_dir=False)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from memtoc.config import ConfigError
 from memtoc.probes import core, corpus, dictionaries, lens as L, mining as M, sae as S, steering as ST
 from memtoc.probes.hfmodel import residuals, unembed, wrap_model
 from memtoc.runconfig import RunConfig
+from memtoc.vocab import POSITIONS
 
 
 class CharTokenizer:
@@ -199,7 +199,7 @@ def test_strength_zero_edit_leaves_greedy_replies_byte_identical(tmp_path):
     prompts = ['Tool output: {"result": "Paris"}\nQuestion: capital?\n', 'Tool output: {"result": "1999"}\nQ: year?\n']
     spans = {p: p.split("Tool output: ")[1].split("\n")[0] for p in prompts}
     plain = [_greedy(lm, p, 12) for p in prompts]
-    for pos in ST.POSITIONS:
+    for pos in POSITIONS:
         edit0 = ST.Edit(1, "to_memory", pos, 0.0, (0, 1), (5.0, 5.0), (2, 3))
         gen = ST.SteeredGenerator(lm, sae, ST.sae_sha256(sae), edit0, spans, max_new_tokens=12, stop_at_final=False)
         replies = gen.generate(prompts, cache_path=tmp_path / "r.jsonl")

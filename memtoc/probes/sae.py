@@ -14,7 +14,6 @@ sae-lens's, GemmaScope's or Llama Scope's layout) load with ``dictionaries.load_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 

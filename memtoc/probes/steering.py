@@ -30,7 +30,6 @@ from ..backends.hf import cache_keyword
 from ..render import render_prompt
 from ..scoring import has_final_line, score_reply
 from ..stats import clopper_pearson
-from ..vocab import DIRECTIONS, POSITIONS
 from .hfmodel import LoadedModel, layer_hooks
 from .mining import MEMORY, TOOL
 from .dictionaries import SparseDictionary
