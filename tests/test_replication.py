@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,7 +17,7 @@ from memtoc import evaluation as ev
 from memtoc import replication
 from memtoc import report as R
 from memtoc.benchmark import load_benchmark, select_questions
-from memtoc.config import DEFAULTS
+from memtoc.config import DEFAULTS, REPO_ROOT
 from memtoc.episodes import run_episodes
 from memtoc.prompts import closed_book_prompt
 from memtoc.runconfig import RunConfig
@@ -119,4 +120,56 @@ def test_a_run_without_paper_models_says_so(tmp_path):
     assert replication.NO_PAPER_MODELS in md
     assert not any(c.id.startswith("replication.") for c in C.read_claims(run)[0])
     assert not (run / "figures" / "replication.png").exists()
+    assert C.verify(run).ok
+
+
+SNAPSHOT = REPO_ROOT / "docs" / "results" / "summaries"       # a default run's real 06/07 summaries
+TINY = "smollm2-135m-instruct"
+
+
+def _as_paper_model(src: Path, dest: Path, rename_arms: dict[str, str] | None = None) -> dict:
+    """A real stage summary with the embedded model's entry filed under the paper model's name (and
+    forward arms renamed as a run with ``transfer.extra_adapters`` {sft, dpo} names them)."""
+    doc = json.loads(src.read_text())
+    doc["models"] = {MODEL: doc["models"][TINY]}
+    for old, new in (rename_arms or {}).items():
+        fwd = doc["models"][MODEL]["forward"]
+        fwd[new] = fwd.pop(old)
+    dest.write_text(json.dumps(doc))
+    return doc
+
+
+@pytest.mark.skipif(not (SNAPSHOT / "agent.json").is_file(), reason="no rendered run under docs/results/")
+def test_agent_and_transfer_rows_come_from_07_and_06(paper_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(paper_run, run)
+    agent = _as_paper_model(SNAPSHOT / "agent.json", run / "summaries" / "agent.json")
+    _as_paper_model(SNAPSHOT / "transfer.json", run / "summaries" / "transfer.json",
+                    {"sft_fold0": "sft", "dpo_fold0": "dpo"})
+    R.build_report(run)
+    got = _by_id(C.read_claims(run)[0])
+    variant = next(iter(agent["models"][MODEL]["slices"]["memory_right"]))
+    node = agent["models"][MODEL]["slices"]["memory_right"][variant]
+    for p in replication.TABLE7:
+        key = f"replication.{MODEL}.table7.{p}"
+        assert got[f"{key}.run"].raw == node["protocols"][p]["answer_agreement"]["pooled"]["value"]
+        assert got[f"{key}.verdict"].value in ("inside", "outside")
+    g2a = f"replication.{MODEL}.sec5_4.guided_to_auto"
+    assert got[f"{g2a}.run"].raw == node["contrasts"]["guided_to_auto"]["answer_agreement"]["delta"]
+    assert got[f"{g2a}.paper"].value == "-66.4"                     # §5.4: Llama's guided -> auto change
+    for method in ("sft", "dpo"):
+        for metric in replication.TABLE6.values():
+            assert f"replication.{MODEL}.table6.{method}.{metric}.verdict" in got
+    assert C.verify(run).ok
+    # the verdict follows the run's interval: move 07's guided-to-auto interval onto the paper's value
+    path = run / "summaries" / "agent.json"
+    doc = json.loads(path.read_text())
+    con = doc["models"][MODEL]["slices"]["memory_right"][variant]["contrasts"]["guided_to_auto"]["answer_agreement"]
+    was = got[f"{g2a}.verdict"].value
+    con["ci95"] = [-0.70, -0.60] if was == "outside" else [0.10, 0.20]
+    path.write_text(json.dumps(doc))
+    failed = {r.id for r in C.verify(run).failures}
+    assert f"{g2a}.verdict" in failed and f"{g2a}.ci" in failed
+    R.build_report(run)
+    assert _by_id(C.read_claims(run)[0])[f"{g2a}.verdict"].value == ("inside" if was == "outside" else "outside")
     assert C.verify(run).ok
