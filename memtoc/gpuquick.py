@@ -11,7 +11,6 @@ run sizes those) and the time of the full run.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -87,7 +86,7 @@ def cpu_path(cfg: RunConfig) -> RunConfig:
     if cfg.backend == "vllm":
         cfg = cfg.replace(backend="transformers", backend_options={})
     if cfg.judge is not None and cfg.judge.backend == "vllm":
-        cfg = cfg.replace(judge=dict(dataclasses.asdict(cfg.judge), backend="transformers", backend_options={}))
+        cfg = cfg.replace(judge=dict(cfg.judge.to_dict(), backend="transformers", backend_options={}))
     return cfg
 
 

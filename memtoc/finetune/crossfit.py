@@ -100,8 +100,9 @@ def check_no_leakage(plans: Sequence[FoldPlan], examples: Optional[dict[int, Seq
 
 
 def plan(cfg: RunConfig, bench=None):
-    """(plans, examples per training fold) for the run configuration ``cfg`` (a dict is refused), leakage-checked (no training). ``bench``: the loaded benchmark, if
-    the caller has it (else it is loaded from the run's release)."""
+    """(plans, examples per training fold) for the run configuration ``cfg`` (a dict is refused),
+    leakage-checked (no training). ``bench``: the loaded benchmark, if the caller has it (else it is
+    loaded from the run's release)."""
     cfg = expect_config(cfg, "finetune.plan")
     ft = cfg.finetune
     if bench is None:
