@@ -148,25 +148,54 @@ def _by_prompt(prompts, replies):
     return {p: (r.text, r.finish, r.n_new_tokens) for p, r in zip(prompts, replies)}
 
 
-def test_default_cpu_dtype_is_float32_with_the_tie_break(tiny_model_dir):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_default_cpu_dtype_is_batch_invariant(tiny_model_dir, monkeypatch, native_bf16):
+    """``dtype: auto`` on a CPU: bf16 with the row prefill and the aligned cache where the CPU has
+    bf16 instructions, else float32; both with the tie-break. An explicit bf16 gets the row prefill
+    too, unless it is turned off (then no guard: its noise is too large to guard)."""
     import torch
+    monkeypatch.setattr(hf, "cpu_has_native_bf16", lambda: native_bf16)
     gen = _invariance_gen(tiny_model_dir)
-    assert gen.torch_dtype == torch.float32 and gen.tie_margin == hf.FLOAT32_TIE_MARGIN
-    assert gen.identity["decoding"]["dtype"] == "float32" and gen.identity["decoding"]["tie_margin"] > 0
-    bf16 = _invariance_gen(tiny_model_dir, dtype="bfloat16")      # CPU bf16: not invariant, no guard
-    assert not bf16.row_prefill and bf16.tie_margin == 0.0
-    assert "prefill" not in gen.identity["decoding"]                # float32 cache keys unchanged
+    want = torch.bfloat16 if native_bf16 else torch.float32
+    assert gen.torch_dtype == want and gen.tie_margin == hf.FLOAT32_TIE_MARGIN
+    assert gen.row_prefill == native_bf16
+    assert gen.identity["decoding"]["dtype"] == str(want).replace("torch.", "")
+    assert gen.identity["decoding"].get("prefill") == ("rows" if native_bf16 else None)
+    assert _invariance_gen(tiny_model_dir, dtype="bfloat16").row_prefill
+    plain = _invariance_gen(tiny_model_dir, dtype="bfloat16", row_prefill=False)
+    assert not plain.row_prefill and plain.tie_margin == 0.0
+    assert not _invariance_gen(tiny_model_dir, dtype="bfloat16", decode="generate").row_prefill
     with pytest.raises(ConfigError, match="tie_margin"):
         _invariance_gen(tiny_model_dir, tie_margin=-1)
 
 
-def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path):
-    """Default settings: the same prompts one by one, in batches of 3, 16 and auto, in reverse order,
-    with shared prefixes on and off, and after a cache repair (3 lines regenerated in their own
-    batch) give identical replies."""
+def test_a_batch_dependent_linear_kernel_is_reported(tiny_model_dir, monkeypatch, caplog):
+    """The row prefill relies on a bf16 ``linear`` giving a row the same bits in a call of 2 or 64
+    rows; a kernel whose rows change with the batch size is named at load, with the way out."""
+    import torch
+    gen = _invariance_gen(tiny_model_dir, dtype="bfloat16")
+    assert gen.info["linear_rows_differ"] is None and hf.linear_rows_invariant(gen.model) is None
+    real = torch.nn.functional.linear
+
+    def batch_dependent(x, w, b=None):
+        y = real(x, w, b)
+        return y + 0.25 if x.shape[0] > 8 else y
+    monkeypatch.setattr(torch.nn.functional, "linear", batch_dependent)
+    assert hf.linear_rows_invariant(gen.model).endswith("(64 -> 64): 2 rows vs 64")
+    with caplog.at_level("WARNING"):
+        gen = _invariance_gen(tiny_model_dir, dtype="bfloat16")
+    assert "2 rows vs 64" in gen.info["linear_rows_differ"] and "dtype float32" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path, dtype):
+    """Both CPU defaults (float32 with the tie-break; bf16 with the row prefill and the aligned
+    cache): the same prompts one by one, in batches of 3, 16 and auto, in reverse order, with shared
+    prefixes on and off, and after a cache repair (3 lines regenerated in their own batch) give
+    identical replies."""
     import random
     prompts = _prompts_with_shared_prefixes(16)
-    gen = _invariance_gen(tiny_model_dir)
+    gen = _invariance_gen(tiny_model_dir, dtype=dtype)
     want = _by_prompt(prompts, gen.generate(prompts))
     assert len({v[2] for v in want.values()}) >= 3              # replies of different lengths
     shuffled = prompts[::-1]

@@ -39,13 +39,18 @@ def cpu_decode_attention(module, query, key, value, attention_mask, dropout: flo
     torch's CPU SDPA kernels are slow for a single query row with a padding mask (measured ~5-14x
     slower than two small matmuls for batch 64, 9 query / 3 key-value heads, 240 keys), and decode
     steps are most of the wall time of short replies. Same maths: scores = q k^T * scale (+ mask),
-    softmax in fp32, times v; grouped-query heads share their key/value head without copies.
+    softmax in fp32, times v; grouped-query heads share their key/value head without copies. In
+    bfloat16 a row's result does not depend on the other rows nor on masked columns after its keys
+    (measured; the aligned layout of :mod:`memtoc.backends.compact` relies on it), but it does on
+    where its keys start: an odd shift re-pairs the terms of the bf16 dot products.
     """
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # a sliding-window layer's one-token step takes this path only with a mask (the compact loop's
+    # masks apply the window); without one (``generate``'s windowed cache) SDPA runs it
     if (query.shape[2] != 1 or dropout or kwargs.get("position_bias") is not None
-            or kwargs.get("softcap") is not None or kwargs.get("sliding_window")):
+            or kwargs.get("softcap") is not None or (kwargs.get("sliding_window") and attention_mask is None)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     B, H, _, D = query.shape

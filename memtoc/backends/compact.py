@@ -62,6 +62,9 @@ class CompactLayer(DynamicLayer):
         self.capacity = capacity
         self.rows = self.end = 0
         self.buf_k = self.buf_v = None
+        # the aligned layout (row prefill): each row's one-token step writes at its own column,
+        # ``cols[row]`` (its position), set by the decode loop before every step; None = one column
+        self.cols = None
 
     def _views(self):
         self.keys = self.buf_k[: self.rows, :, : self.end]
@@ -91,8 +94,13 @@ class CompactLayer(DynamicLayer):
         else:
             if self.end + T > self.buf_k.shape[2]:
                 raise RuntimeError("compact decode cache: capacity exceeded")  # a bug, never user input
-            self.buf_k[: self.rows, :, self.end:self.end + T] = key_states
-            self.buf_v[: self.rows, :, self.end:self.end + T] = value_states
+            if T == 1 and self.cols is not None:
+                rows = torch.arange(self.rows, device=self.buf_k.device)
+                self.buf_k[rows, :, self.cols] = key_states[:, :, 0]
+                self.buf_v[rows, :, self.cols] = value_states[:, :, 0]
+            else:
+                self.buf_k[: self.rows, :, self.end:self.end + T] = key_states
+                self.buf_v[: self.rows, :, self.end:self.end + T] = value_states
             self.end += T
             self._views()
         if T == 1:
@@ -233,7 +241,17 @@ class CompactDecoder:
         Mirrors ``generate``: position ids = cumulative sum of the mask - 1 (0 on padding), float32
         argmax of the last logits, the EOS token not part of the reply, a FINAL-line check when the
         new token holds a newline. Decode steps pass a 4-D boolean mask as wide as the cache buffer
-        (see :class:`CompactLayer`)."""
+        (see :class:`CompactLayer`).
+
+        With ``row_prefill`` the cache is *aligned*: row r's prompt fills columns 0..n_r-1 and the
+        token at position p goes to column p (no left padding), so the keys a row's attention reduces
+        over sit at the same columns whatever the batch; and no step runs on a single row (a batch
+        of one is decoded twice over, and a finished row stays in the batch as a ghost while one row
+        is left), since a one-row ``linear`` takes another kernel (see :mod:`memtoc.backends.hf`)."""
+        aligned = self.row_prefill
+        solo = aligned and input_ids.shape[0] == 1
+        if solo:   # row 1 = a ghost copy of row 0
+            input_ids, attn = input_ids.repeat(2, 1), attn.repeat(2, 1)
 
         B, P = input_ids.shape
         new: list[list[int]] = [[] for _ in range(B)]
@@ -249,20 +267,26 @@ class CompactDecoder:
             else:
                 cache, logits = self._prefill_plain(input_ids, attn)
             last_pos = attn.long().sum(-1) - 1
-            pad = P - attn.long().sum(-1)        # column of a token = its position + its row's padding
+            # column of a token = its position + its row's padding (none in the aligned layout)
+            pad = torch.zeros_like(last_pos) if aligned else P - attn.long().sum(-1)
             # columns each row attends to in a decode step: its prompt, then the tokens decoded so
             # far; as wide as the cache buffer (see CompactLayer)
             valid = torch.zeros((B, P + self.max_new_tokens), dtype=torch.bool, device=input_ids.device)
-            valid[:, :P] = attn.bool()
             cols = torch.arange(valid.shape[1], device=input_ids.device)
+            valid[:, :P] = (cols[None, :P] <= last_pos[:, None]) if aligned else attn.bool()
+            done = [False] * B                   # finished rows (a ghost row stays in the batch)
+            if solo:
+                done[1] = True
             stats = self.decode_stats
             stats["batches"] += 1
             for step in range(self.max_new_tokens):
                 stats["steps"] += 1
-                stats["row_steps"] += len(active)
+                stats["row_steps"] += sum(not done[r] for r in active)   # ghosts not counted
                 nxt = torch.argmax(logits.to(dtype=torch.float32), dim=-1)
                 for a in self._near_ties(logits):
                     r = active[a]
+                    if done[r]:
+                        continue
                     if r not in prompt_ids:
                         prompt_ids[r] = input_ids[r, P - lens[r]:].tolist()
                     nxt[a] = self._canonical_next(prompt_ids[r] + new[r])
@@ -270,26 +294,35 @@ class CompactDecoder:
                 keep = []
                 for a, t in enumerate(nxt.tolist()):
                     r = active[a]
+                    if done[r]:
+                        continue
                     if t in self.eos_ids:
-                        reason[r] = "eos"
+                        reason[r], done[r] = "eos", True
                         continue
                     new[r].append(t)
                     if ((self.stop_at_final or self.stop_at_first_line) and t in self.newline_ids
                             and (rule := line_stop(self.tokenizer.decode(new[r], skip_special_tokens=True),
                                                    self.stop_at_final, self.stop_at_first_line))):
-                        reason[r] = rule
+                        reason[r], done[r] = rule, True
                         continue
                     keep.append(a)
                 if not keep or step == self.max_new_tokens - 1:
                     break
+                if aligned and len(keep) == 1:   # a finished row stays as a ghost: never one row
+                    keep = sorted(keep + [next(a for a in range(len(active)) if a != keep[0])])
                 if len(keep) < len(active):
                     keep = fill_holes(keep)
                     idx = torch.tensor(keep, device=nxt.device)
                     cache.batch_select_indices(idx)
                     active = [active[a] for a in keep]
                     nxt, last_pos, valid, pad = nxt[idx], last_pos[idx], valid[idx], pad[idx]
-                valid[:, P + step] = True
                 last_pos = last_pos + 1
+                if aligned:   # each row writes its own column: its position
+                    valid[torch.arange(len(active), device=valid.device), last_pos] = True
+                    for layer in cache.layers:
+                        layer.cols = last_pos
+                else:
+                    valid[:, P + step] = True
                 if self.sliding_window or self.attention == "eager":
                     mask = self._position_masks(valid, cols[None, :] - pad[:, None], last_pos[:, None],
                                                 torch.ones((len(active), 1), dtype=torch.bool, device=valid.device))
@@ -297,7 +330,7 @@ class CompactDecoder:
                     mask = valid[:, None, None, :]
                 logits = self._forward(cache, P + step + 1, input_ids=nxt[:, None], attention_mask=mask,
                                        position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
-        return [(new[r], reason[r]) for r in range(B)]
+        return [(new[r], reason[r]) for r in range(1 if solo else B)]
 
     def _new_cache(self, capacity: int):
         cache = DynamicCache(config=self.model.config)
@@ -318,10 +351,10 @@ class CompactDecoder:
         return cache, out.logits[:, -1]
 
     def _prefill_rows(self, input_ids, attn):
-        """The same state as :meth:`_prefill_plain`, each row's prompt computed alone (batch 1, no
-        padding, nothing before it), i.e. as the canonical forward computes it: the prompt's keys /
-        values and first logits then cannot depend on the other rows of the batch. Its keys /
-        values are copied into the left-padded layout of the plain prefill."""
+        """Each row's prompt computed alone (batch 1, no padding, nothing before it), i.e. as the
+        canonical forward computes it: the prompt's keys / values and first logits then cannot
+        depend on the other rows of the batch. Its keys / values are copied into the aligned
+        layout (row r's prompt in columns 0..n_r-1, see :meth:`_decode_compact`)."""
         B, P = input_ids.shape
         lens = attn.sum(-1).tolist()
         cap = P + self.max_new_tokens
@@ -334,8 +367,8 @@ class CompactDecoder:
                 bufs = [(x.buf_k.new_zeros((B, x.buf_k.shape[1], cap, x.buf_k.shape[3])),
                          x.buf_v.new_zeros((B, x.buf_v.shape[1], cap, x.buf_v.shape[3]))) for x in one.layers]
             for (bk, bv), x in zip(bufs, one.layers):
-                bk[r, :, P - n:P] = x.buf_k[0, :, :n]
-                bv[r, :, P - n:P] = x.buf_v[0, :, :n]
+                bk[r, :, :n] = x.buf_k[0, :, :n]
+                bv[r, :, :n] = x.buf_v[0, :, :n]
             logits.append(out.logits[0, -1])
             self.decode_stats["prefill_calls"] += 1
         cache = self._new_cache(cap)
