@@ -165,3 +165,30 @@ def test_unsupported_architectures_fall_back_to_generate_and_say_so(gemma3_dir, 
     before = dict(gen.decode_stats)
     assert len(gen.generate(_prompts(2))) == 2
     assert gen.decode_stats["batches"] == before["batches"]   # the compact loop never ran
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_gemma3_row_prefill_in_chunks_keeps_the_window(gemma3_dir, chunk):
+    """The row prefill (in one piece, or in chunks of 4 tokens across the 6-token window) and the
+    aligned cache: float32 first logits within 1e-4 of a forward of each prompt alone and replies
+    equal ``model.generate``'s; in bf16 the replies do not depend on the batch."""
+    import torch
+    prompts = _prompts(6)
+    gen = _gen(gemma3_dir, row_prefill=True, prefill_chunk=chunk)
+    ref, want = _reference_replies(gemma3_dir, gen, prompts, "sdpa")
+    ids = gen.encode(prompts)
+    enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    prefill = gen._prefill_chunks if chunk else gen._prefill_rows
+    with torch.inference_mode():
+        alone = torch.stack([ref(input_ids=torch.tensor([x])).logits[0, -1] for x in ids])
+        _, got = prefill(enc["input_ids"], enc["attention_mask"])
+    assert (got - alone).abs().max().item() < 1e-4
+    assert [r.text for r in gen.generate(prompts)] == want
+    bf16 = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), gemma3_dir, dtype="bfloat16",
+                                    max_new_tokens=8, show_progress=False, prefill_chunk=chunk)
+    bf16.eos_ids = gen.eos_ids
+    runs = []
+    for bs, order in ((1, prompts), (6, prompts[::-1]), (4, prompts)):
+        bf16.batch_size = bs
+        runs.append(dict(zip(order, (r.text for r in bf16.generate(order)))))
+    assert runs[0] == runs[1] == runs[2] and len(set(runs[0].values())) >= 3

@@ -151,14 +151,14 @@ def _by_prompt(prompts, replies):
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_default_cpu_dtype_is_batch_invariant(tiny_model_dir, monkeypatch, native_bf16):
     """``dtype: auto`` on a CPU: bf16 with the row prefill and the aligned cache where the CPU has
-    bf16 instructions, else float32; both with the tie-break. An explicit bf16 gets the row prefill
-    too, unless it is turned off (then no guard: its noise is too large to guard)."""
+    bf16 instructions (no tie-break: nothing to guard, its logits do not move with the batch), else
+    float32 with the tie-break. An explicit bf16 gets the row prefill too, unless it is turned off."""
     import torch
     monkeypatch.setattr(hf, "cpu_has_native_bf16", lambda: native_bf16)
     gen = _invariance_gen(tiny_model_dir)
     want = torch.bfloat16 if native_bf16 else torch.float32
-    assert gen.torch_dtype == want and gen.tie_margin == hf.FLOAT32_TIE_MARGIN
-    assert gen.row_prefill == native_bf16
+    assert gen.torch_dtype == want and gen.row_prefill == native_bf16
+    assert gen.tie_margin == (0.0 if native_bf16 else hf.FLOAT32_TIE_MARGIN)
     assert gen.identity["decoding"]["dtype"] == str(want).replace("torch.", "")
     assert gen.identity["decoding"].get("prefill") == ("rows" if native_bf16 else None)
     assert _invariance_gen(tiny_model_dir, dtype="bfloat16").row_prefill
@@ -187,15 +187,17 @@ def test_a_batch_dependent_linear_kernel_is_reported(tiny_model_dir, monkeypatch
     assert "2 rows vs 64" in gen.info["linear_rows_differ"] and "dtype float32" in caplog.text
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path, dtype):
-    """Both CPU defaults (float32 with the tie-break; bf16 with the row prefill and the aligned
-    cache): the same prompts one by one, in batches of 3, 16 and auto, in reverse order, with shared
-    prefixes on and off, and after a cache repair (3 lines regenerated in their own batch) give
-    identical replies."""
+@pytest.mark.parametrize("dtype,options", [("float32", {}), ("bfloat16", {}), ("bfloat16", {"prefill_chunk": 0}),
+                                           ("bfloat16", {"prefill_chunk": 5, "chunk_memo_mb": 0})])
+def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path, dtype, options):
+    """Both CPU defaults (float32 with the tie-break; bf16 with the row prefill in shared chunks and
+    the aligned cache; also in one piece, and in chunks of 5 with nothing kept between calls): the
+    same prompts one by one, in batches of 3, 16 and auto, in reverse order, with shared prefixes on
+    and off, and after a cache repair (3 lines regenerated in their own batch) give identical
+    replies."""
     import random
     prompts = _prompts_with_shared_prefixes(16)
-    gen = _invariance_gen(tiny_model_dir, dtype=dtype)
+    gen = _invariance_gen(tiny_model_dir, dtype=dtype, **options)
     want = _by_prompt(prompts, gen.generate(prompts))
     assert len({v[2] for v in want.values()}) >= 3              # replies of different lengths
     shuffled = prompts[::-1]
@@ -212,6 +214,32 @@ def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path, dtype):
     again = gen.generate(prompts, cache)
     assert sum(not r.cached for r in again) == 3
     assert _by_prompt(prompts, again) == want
+
+
+def test_shared_prefill_chunks_are_computed_once_and_kept(tiny_model_dir):
+    """The chunked row prefill computes a chunk shared by several prompts once, keeps it for the
+    next call (fewer prompt tokens computed, same replies), forgets it on request, and stays within
+    its memory bound (``chunk_memo_mb: 0`` keeps one chunk)."""
+    prompts = _prompts_with_shared_prefixes(12)
+    total = sum(len(x) for x in _invariance_gen(tiny_model_dir, dtype="bfloat16").encode(prompts))
+    gen = _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=4)
+
+    def computed(batch):
+        before = gen.decode_stats["prompt_tokens_computed"]
+        replies = _by_prompt(batch, gen.generate(batch))
+        return gen.decode_stats["prompt_tokens_computed"] - before, replies
+
+    cold, want = computed(prompts)
+    assert cold < 0.8 * total                         # the shared instruction and contexts once
+    warm, again = computed(prompts)
+    assert again == want and warm < 0.5 * cold        # the kept chunks: only the last chunks run
+    gen.forget_prefixes()
+    assert computed(prompts)[0] == cold
+    small = _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=4, chunk_memo_mb=0)
+    assert _by_prompt(prompts, small.generate(prompts)) == want and len(small._chunk_memo) == 1
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="prefill_chunk"):
+            _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=bad)
 
 
 def test_row_prefill_without_the_compact_loop_is_an_error(tiny_model_dir):

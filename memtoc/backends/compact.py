@@ -261,7 +261,8 @@ class CompactDecoder:
         prompt_ids: dict[int, list[int]] = {}    # a row's prompt without padding, for the tie-break
         with torch.inference_mode():
             if self.row_prefill:
-                cache, logits = self._prefill_rows(input_ids, attn)
+                prefill = self._prefill_chunks if self.prefill_chunk else self._prefill_rows
+                cache, logits = prefill(input_ids, attn)
             elif self.share_prefix and B > 1:
                 cache, logits = self._prefill_shared(input_ids, attn)
             else:
@@ -437,6 +438,101 @@ class CompactDecoder:
         for r, leaf in enumerate(leaves_by_row(segs, B)):
             gather[r, P - lens[r]:] = torch.tensor(slots(leaf))
         return self._cache_from_store(store_k, store_v, gather.to(dev), P + self.max_new_tokens), torch.stack(logits)
+
+    def _prefill_chunks(self, input_ids, attn):
+        """The row prefill in chunks of ``prefill_chunk`` tokens, shared chunks computed once.
+
+        A prompt's canonical prefill: its tokens cut at every multiple of C, each chunk computed
+        after the exact keys / values of the chunks before it; the last chunk (1..C tokens) gives
+        the first logits. Chunk j of a prompt is a function of its first (j+1) C tokens only, so
+        it is computed once per distinct prefix and kept (``chunk_memo_mb``, least recently used
+        first out): a formulation's instruction is computed once for a whole run. The full chunks
+        of one depth are computed together (rows of C tokens after jC keys each: the same shapes
+        for every row, no padding); the last chunk of each row alone. What a row gets then does not
+        depend on the batch, as long as a row's result does not depend on the other rows of the same
+        shapes (``linear`` at >= 2 rows is checked at load; attention is tested end to end). The
+        keys / values go to the aligned layout of :meth:`_decode_compact`."""
+        B, P = input_ids.shape
+        C = self.prefill_chunk
+        lens = attn.sum(-1).tolist()
+        ids = [input_ids[r, P - n:].tolist() for r, n in enumerate(lens)]
+        full = [(n - 1) // C for n in lens]          # full chunks before each row's last chunk
+        memo = self._chunk_memo
+        held: dict = {}     # every chunk this call uses, whatever the memo evicts meanwhile
+        stats = self.decode_stats
+        for j in range(max(full)):
+            keys = list(dict.fromkeys(tuple(x[:(j + 1) * C]) for x, f in zip(ids, full) if f > j))
+            todo = [k for k in keys if k not in memo]
+            for k in keys:
+                if k in memo:
+                    memo.move_to_end(k)
+                    held[k] = memo[k]
+            for s in range(0, len(todo), max(1, self.prefill_tokens // ((j + 1) * C))):
+                part = todo[s:s + max(1, self.prefill_tokens // ((j + 1) * C))]
+                past = [self._chunk_past(held, k, j) for k in part]
+                tok = torch.tensor([list(k[j * C:]) for k in part], device=input_ids.device)
+                store, logits = self._run_chunk(past, tok, j * C, logits=False)
+                for u, k in enumerate(part):
+                    held[k] = store[:, :, u, :, j * C:].clone()
+                    self._memo_put(k, held[k])
+                stats["prompt_tokens_computed"] += len(part) * C
+                stats["prefill_calls"] += 1
+        cap = P + self.max_new_tokens
+        big = None
+        logits = []
+        for r, (x, f) in enumerate(zip(ids, full)):
+            store, last = self._run_chunk([self._chunk_past(held, tuple(x), f)], torch.tensor([x[f * C:]]).to(input_ids.device),
+                                          f * C, logits=True)
+            if big is None:
+                big = store.new_zeros(store.shape[:2] + (B,) + (store.shape[3], cap, store.shape[5]))
+            big[:, :, r, :, :len(x)] = store[:, :, 0, :, :len(x)]
+            logits.append(last[0])
+            stats["prompt_tokens_computed"] += len(x) - f * C
+            stats["prefill_calls"] += 1
+        cache = self._new_cache(cap)
+        for layer, kv in zip(cache.layers, big):
+            layer.preload(kv[0], kv[1], P)
+        return cache, torch.stack(logits)
+
+    def _chunk_past(self, held: dict, key: tuple, j: int):
+        """The keys / values of the first j chunks of prefix ``key`` (from ``held``: prefix -> chunk):
+        (layers, 2, heads, jC, dim), or None for j = 0."""
+        C = self.prefill_chunk
+        if j == 0:
+            return None
+        return torch.cat([held[key[:(i + 1) * C]] for i in range(j)], dim=3)
+
+    def _run_chunk(self, past: list, tokens, start: int, logits: bool):
+        """One forward of ``tokens`` (rows, T) at positions start.. after each row's ``past`` keys /
+        values (None when start = 0); returns (every layer's keys / values (layers, 2, rows, heads,
+        start + T, dim), the last logits or None)."""
+        n, T = tokens.shape
+        cache = self._new_cache(start + T)
+        if start:
+            stacked = torch.stack(past, dim=2)                # layers, 2, rows, heads, start, dim
+            shape = stacked.shape
+            buf = stacked.new_zeros(shape[:4] + (start + T, shape[5]))
+            buf[..., :start, :] = stacked
+            for layer, kv in zip(cache.layers, buf):
+                layer.preload(kv[0], kv[1], start)
+        pos = torch.arange(start, start + T, device=tokens.device).expand(n, T)
+        mask = None
+        if self.sliding_window:
+            every = torch.ones((n, start + T), dtype=torch.bool, device=tokens.device)
+            mask = self._position_masks(every, torch.arange(start + T, device=tokens.device).expand(n, -1), pos,
+                                        every[:, start:])
+        out = self._forward(cache, start + T, input_ids=tokens, attention_mask=mask, position_ids=pos,
+                            logits_to_keep=1)
+        store = torch.stack([torch.stack([x.buf_k, x.buf_v]) for x in cache.layers]) if not start else buf
+        return store, (out.logits[:, -1] if logits else None)
+
+    def _memo_put(self, key: tuple, kv) -> None:
+        memo = self._chunk_memo
+        memo[key] = kv
+        self._chunk_memo_bytes += kv.numel() * kv.element_size()
+        while self._chunk_memo_bytes > self.chunk_memo_mb * 2 ** 20 and len(memo) > 1:
+            _, old = memo.popitem(last=False)
+            self._chunk_memo_bytes -= old.numel() * old.element_size()
 
     def _cache_from_store(self, store_k, store_v, gather, capacity: int):
         """A compact cache of ``capacity`` columns whose first ``gather.shape[1]`` columns hold, for

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -169,7 +170,8 @@ class TransformersGenerator(CompactDecoder, Generator):
                  max_batch: Optional[int] = None, num_threads: Optional[int] = None,
                  attention: str = "auto", show_progress: bool = True, decode: str = "compact",
                  share_prefix: bool = True, min_shared_tokens: int = 8, prefill_tokens: Optional[int] = None,
-                 tie_margin: Optional[float] = None, row_prefill: Optional[bool] = None):
+                 tie_margin: Optional[float] = None, row_prefill: Optional[bool] = None,
+                 prefill_chunk: int = 16, chunk_memo_mb: int = 512):
         import torch
 
         if num_threads:
@@ -198,7 +200,14 @@ class TransformersGenerator(CompactDecoder, Generator):
         cpu_bf16 = self.torch_dtype == torch.bfloat16 and not gpu
         self.row_prefill = cpu_bf16 and decode == "compact" if row_prefill is None else bool(row_prefill)
         if tie_margin is None:
-            tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 or self.row_prefill else 0.0
+            tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 else 0.0
+        for name, value in (("prefill_chunk", prefill_chunk), ("chunk_memo_mb", chunk_memo_mb)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"transformers backend option {name} must be an integer >= 0, got {value!r}")
+        self.prefill_chunk = prefill_chunk     # 0: each prompt's prefill in one forward
+        self.chunk_memo_mb = chunk_memo_mb
+        self._chunk_memo: OrderedDict = OrderedDict()   # prefix tokens -> a chunk's keys / values
+        self._chunk_memo_bytes = 0
         if not isinstance(tie_margin, (int, float)) or isinstance(tie_margin, bool) or tie_margin < 0:
             raise ConfigError(f"transformers backend option tie_margin must be a number >= 0, got {tie_margin!r}")
         self.tie_margin = float(tie_margin)
@@ -245,7 +254,7 @@ class TransformersGenerator(CompactDecoder, Generator):
                          "tie_margin": self.tie_margin,
                          # only when on: the cache keys of every existing run stay as they were
                          **({"stop_at_first_line": True} if self.stop_at_first_line else {}),
-                         **({"prefill": "rows"} if self.row_prefill else {}),
+                         **({"prefill": "rows", "prefill_chunk": self.prefill_chunk} if self.row_prefill else {}),
                          **self.policy.identity()},   # the model's penalties (memtoc.decoding), when it has any
         })
 
@@ -281,6 +290,12 @@ class TransformersGenerator(CompactDecoder, Generator):
             return
         self.model = None
         release_memory(self.device)
+
+    def forget_prefixes(self) -> None:
+        """Drop the kept prefill chunks (see :meth:`_prefill_chunks`): the next call computes every
+        chunk again (what a benchmark of a cold start wants; the replies are the same)."""
+        self._chunk_memo.clear()
+        self._chunk_memo_bytes = 0
 
     def _newline_token_ids(self) -> set[int]:
         ids = range(len(self.tokenizer))
