@@ -4,7 +4,8 @@ generation
     The same ``n`` with-tool prompts of the embedded model (reference formulation, the first
     questions of the deterministic selection, conditions tool_right / tool_wrong / tool_error in
     turn), generated twice with identical decoding settings (greedy, ``max_new_tokens``, the
-    FINAL-line stop, the default dtype: float32 on CPU): once one prompt at a time (a ``generate`` loop, batch size 1) and once
+    FINAL-line stop, the default dtype: bf16 with the row prefill on a CPU with bf16 instructions, else
+    float32): once one prompt at a time (a ``generate`` loop, batch size 1) and once
     with the batched backend (``batch_size``; timed ``--repeats`` times, default 3, the median
     reported, every repeat listed; the loop runs once, its 64 prompts already span ~45 s). Reported
     per episode: seconds
@@ -14,11 +15,14 @@ generation
 
     where the rate is the best of a few ``torch.matmul`` (2048 x 2048) timings in the dtype the model
     runs in, measured in the same run; ``bound_ratio`` = batched seconds / bound. Also reported: how
-    many replies differ between the modes (0 by construction in float32 with the tie-break, see
-    :mod:`memtoc.backends.hf`; bf16 batching may flip a greedy token), how many near-tie steps were
+    many replies differ between the modes (0 by construction in both CPU defaults, see
+    :mod:`memtoc.backends.hf`; bf16 without the row prefill may flip a greedy token), how many near-tie steps were
     decided by the canonical batch-1 forward, and, with ``--check-stop``, how often
     the FINAL-line early stop changes the extracted answer (one extra batched run without it).
-    The CPU is shared: run it at a quiet moment and read ``load_avg`` in the output.
+    Every timing starts cold: the prefill chunks the row prefill keeps between calls are dropped
+    before each loop prompt and each batched run (``forget_prefixes``), so neither mode is timed on
+    chunks another one computed. The CPU is shared: run it at a quiet moment and read ``load_avg``
+    in the output.
     ``--decode`` picks the transformers decode loop for both modes (``compact``, the default, drops
     finished rows after each step; ``generate`` is ``model.generate``); ``--compare-decode`` times
     one more batched run with the other loop and counts the replies that differ between the loops.

@@ -242,6 +242,27 @@ def test_shared_prefill_chunks_are_computed_once_and_kept(tiny_model_dir):
             _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=bad)
 
 
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_the_row_prefill_computes_what_a_forward_alone_computes(tiny_model_dir, chunk):
+    """float32, where arithmetic order hardly matters: the row prefill's first logits (in one
+    piece, or in chunks of 5 after the kept keys of the chunks before) are a forward of each prompt
+    alone, and its replies with the aligned cache are those of ``model.generate``."""
+    import torch
+    prompts = _prompts_with_shared_prefixes(8)
+    gen = _invariance_gen(tiny_model_dir, dtype="float32", row_prefill=True, prefill_chunk=chunk)
+    ids = gen.encode(prompts)
+    enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    prefill = gen._prefill_chunks if chunk else gen._prefill_rows
+    with torch.inference_mode():
+        _, got = prefill(enc["input_ids"], enc["attention_mask"])
+        alone = torch.stack([gen.model(input_ids=torch.tensor([x]), use_cache=False, logits_to_keep=1).logits[0, -1]
+                             for x in ids])
+    assert (got - alone).abs().max().item() < 1e-4
+    want = _fields(gen.generate(prompts))
+    gen.row_prefill, gen.decode = False, "generate"
+    assert _fields(gen.generate(prompts)) == want
+
+
 def test_row_prefill_without_the_compact_loop_is_an_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="row_prefill needs the compact decode loop"):
         _invariance_gen(tiny_model_dir, dtype="bfloat16", row_prefill=True, decode="generate")

@@ -1,30 +1,41 @@
 """transformers backend: greedy, batched, left-padded, shared prefixes computed once; replies that
 do not depend on the batch (float32 on CPU, with a canonical tie-break).
 
-Batch invariance (``dtype="auto"`` on CPU = float32, ``tie_margin``): a reply must not depend on
-which other prompts share its batch (batch size, order, a resume, a cache repair), since the cache
-key ignores the batch. No CPU kernel guarantees bit-identical rows across batch shapes: measured
-here, a float32 ``linear`` row differs in its last bits between 1, 2-15 and 16+ rows, a bf16 one
-between <=32 and 33+ rows (lm head), and attention reductions shift with the left padding. In bf16
-this moves logits by up to 1.0 (same prompts, different batches) and flips greedy tokens (18 of 90
-closed-book replies with ``batch_size=8`` vs ``auto``); in float32 by at most ~4e-5. So float32 is
-the CPU default, and a greedy step whose top-2 logit margin is below ``tie_margin`` (default 2e-3
-in float32, ~50x the measured batch noise; 0 = off, the default in bf16/fp16, whose noise is too
-large to guard) is decided by the *canonical* computation instead: one forward of that row's
-prompt + reply so far alone (batch 1, no padding, no cache), which does not depend on the batch.
-Every other step has a margin far above the noise, so every composition picks the same token; by
-induction the replies are identical (tested: batch sizes, orders, the loop, a repaired cache).
-``decode_stats["tie_recomputes"]`` counts the canonical forwards. GPU ``auto`` stays bf16/fp16,
-which is not batch-invariant.
+Batch invariance: a reply must not depend on which other prompts share its batch (batch size,
+order, a resume, a cache repair), since the cache key ignores the batch. ``dtype="auto"`` on a CPU
+gets one of two invariant schemes.
 
-bfloat16 on CPU (``dtype="bfloat16"``, opt-in ``row_prefill=True``): every prompt is prefilled alone
-(batch 1, no padding, no shared prefixes: exactly the canonical forward, tested bit for bit) and
-copied into the batch's cache; the batched decode steps follow. This removes the prefill's batch
-dependence but not the decode's: on the embedded SmolLM2-135M, 8 bench prompts gave one reply of 8
-that differs between a batch of 8 and batches of 3 (24 new tokens, tie guard off), because the decode
-attention reduces over left-padded keys whose alignment depends on the batch. So bf16 is not
-batch-invariant on CPU, with or without ``row_prefill``; its tie guard is off by default (bf16 noise
-is too large to guard). ``row_prefill`` is part of the cache identity when on.
+*bfloat16 with the row prefill* (the CPU default where the CPU has bf16 instructions, AVX512-BF16 or
+AMX: :func:`cpu_has_native_bf16`; ``row_prefill`` defaults to on for every CPU bf16 run). Measured
+on such a CPU (torch 2.13): a bf16 ``linear`` gives a row the same bits in a call of 2 or of 1,000
+rows, but a call of *one* row takes another kernel (GEMV) and differs; the decode attention of
+:func:`memtoc.backends.attention.cpu_decode_attention` gives a row the same bits whatever the other
+rows and whatever masked columns follow its keys, but not when its keys start one column later (an
+odd shift re-pairs the bf16 dot products). So: (1) each prompt's prefill is computed for that row
+alone (:meth:`~memtoc.backends.compact.CompactDecoder._prefill_chunks`: cut at every multiple of
+``prefill_chunk`` tokens, default 16; chunk j depends on the prompt's first (j+1) x 16 tokens only,
+so a chunk that several prompts share is computed once and kept for later calls, up to
+``chunk_memo_mb``; ``prefill_chunk: 0`` = the whole prompt in one forward); (2) the decode cache is
+*aligned*: a row's prompt fills columns 0..n-1 and its token at position p goes to column p, so
+every row's keys start at column 0 in every batch; (3) no decode step runs on a single row (a batch
+of one is decoded twice over; a finished row stays as a ghost while one row is left). A row's
+logits are then the same bits in every batch composition, so the replies are identical by
+construction, with no tie-break (``tie_margin`` defaults to 0 here; it still works when set). The
+``linear`` property is a property of the CPU's kernels, so it is checked at load on the model's own
+weights (:func:`linear_rows_invariant`; a failure is logged with the way out, dtype float32, and
+recorded in ``info["linear_rows_differ"]``); the rest is tested end to end (batch sizes, orders,
+the loop, a repaired cache; the embedded models and tiny Llama / gemma-3 configs). Against the
+float32 default of before, this is ~1.7x faster per episode on the bench prompts (docs/measurements.md).
+
+*float32 with the tie-break* (CPUs without bf16 instructions, or ``dtype: float32``): a float32
+``linear`` row differs in its last bits between 1, 2-15 and 16+ rows and the left-padded attention
+shifts with the padding, moving logits by at most ~4e-5; a greedy step whose top-2 logit margin is
+below ``tie_margin`` (default 2e-3, ~50x that noise) is decided by the *canonical* computation
+instead: one forward of that row's prompt + reply so far alone (batch 1, no padding, no cache).
+Every other step has a margin far above the noise, so every composition picks the same token; by
+induction the replies are identical. ``decode_stats["tie_recomputes"]`` counts the canonical
+forwards. bf16 without the row prefill (``row_prefill: false``) moves logits by up to 1.0 with the
+batch and is not invariant; GPU ``auto`` stays bf16/fp16, which is not batch-invariant either.
 
 Batching: prompts are tokenized once and cut into batches, in token order when shared-prefix
 prefill is on (the default with the compact loop: prompts that share a prefix - a formulation's
@@ -37,7 +48,8 @@ large batches on a CPU too: a decode step streams all weights and the live keys 
 memory whatever the batch, so bigger batches amortize it (and share more prefixes); the budget
 bounds memory and the padding / finished-row waste.
 
-Shared-prefix prefill (``share_prefix=True``, compact loop only): the batch's prompts are cut into
+Shared-prefix prefill (``share_prefix=True``, compact loop only, not with the row prefill, which
+shares whole chunks instead): the batch's prompts are cut into
 the segments of a radix tree (:mod:`memtoc.backends.prefix`), each shared run of at least
 ``min_shared_tokens`` tokens is computed once and its keys / values are copied to every row that
 has it (see :meth:`memtoc.backends.compact.CompactDecoder._prefill_shared`). On the 64 bench prompts 75 of 191
