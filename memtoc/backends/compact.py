@@ -22,6 +22,7 @@ from ..config import MemtocError
 from .base import line_stop
 from .prefix import leaves_by_row, prefix_segments
 from .prefix import path as prefix_path
+from .rowprefill import RowPrefill
 
 
 class GenerationError(MemtocError):
@@ -189,7 +190,7 @@ def store_chunk(cache, chunk, width: int, slot0: list[int], store_k: list, store
         sv[dst] = layer.buf_v[rows_j, :, cols]
 
 
-class CompactDecoder:
+class CompactDecoder(RowPrefill):
     """The compact loop's methods of :class:`memtoc.backends.hf.TransformersGenerator`."""
 
     # -- masks (sliding-window models, eager attention) -------------------------------------------
@@ -243,16 +244,13 @@ class CompactDecoder:
         new token holds a newline. Decode steps pass a 4-D boolean mask as wide as the cache buffer
         (see :class:`CompactLayer`).
 
-        With ``row_prefill`` the cache is *aligned*: row r's prompt fills columns 0..n_r-1 and the
-        token at position p goes to column p (no left padding), so the keys a row's attention reduces
-        over sit at the same columns whatever the batch; and no step runs on a single row (a batch
-        of one is decoded twice over, and a finished row stays in the batch as a ghost while one row
-        is left), since a one-row ``linear`` takes another kernel (see :mod:`memtoc.backends.hf`)."""
+        With ``row_prefill`` the cache is *aligned* (row r's prompt in columns 0..n_r-1, the token
+        at position p in column p) and no step runs on a single row (a batch of one is decoded twice
+        over; a finished row stays as a ghost while one row is left): see :mod:`memtoc.backends.hf`."""
         aligned = self.row_prefill
         solo = aligned and input_ids.shape[0] == 1
         if solo:   # row 1 = a ghost copy of row 0
             input_ids, attn = input_ids.repeat(2, 1), attn.repeat(2, 1)
-
         B, P = input_ids.shape
         new: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
@@ -275,9 +273,8 @@ class CompactDecoder:
             valid = torch.zeros((B, P + self.max_new_tokens), dtype=torch.bool, device=input_ids.device)
             cols = torch.arange(valid.shape[1], device=input_ids.device)
             valid[:, :P] = (cols[None, :P] <= last_pos[:, None]) if aligned else attn.bool()
-            done = [False] * B                   # finished rows (a ghost row stays in the batch)
-            if solo:
-                done[1] = True
+            # finished rows (a ghost row stays in the batch; the copy of a batch of one is a ghost)
+            done = [solo and r > 0 for r in range(B)]
             stats = self.decode_stats
             stats["batches"] += 1
             for step in range(self.max_new_tokens):
@@ -292,21 +289,7 @@ class CompactDecoder:
                         prompt_ids[r] = input_ids[r, P - lens[r]:].tolist()
                     nxt[a] = self._canonical_next(prompt_ids[r] + new[r])
                 del logits
-                keep = []
-                for a, t in enumerate(nxt.tolist()):
-                    r = active[a]
-                    if done[r]:
-                        continue
-                    if t in self.eos_ids:
-                        reason[r], done[r] = "eos", True
-                        continue
-                    new[r].append(t)
-                    if ((self.stop_at_final or self.stop_at_first_line) and t in self.newline_ids
-                            and (rule := line_stop(self.tokenizer.decode(new[r], skip_special_tokens=True),
-                                                   self.stop_at_final, self.stop_at_first_line))):
-                        reason[r], done[r] = rule, True
-                        continue
-                    keep.append(a)
+                keep = self._take_tokens(nxt.tolist(), active, new, reason, done)
                 if not keep or step == self.max_new_tokens - 1:
                     break
                 if aligned and len(keep) == 1:   # a finished row stays as a ghost: never one row
@@ -333,6 +316,28 @@ class CompactDecoder:
                                        position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
         return [(new[r], reason[r]) for r in range(1 if solo else B)]
 
+    def _take_tokens(self, tokens: list[int], active: list[int], new: list[list[int]], reason: list[str],
+                     done: list[bool]) -> list[int]:
+        """Append each live row's new token (not EOS) to its reply, mark the rows that finish (EOS,
+        a completed FINAL / first line: ``reason`` and ``done``), and return the batch positions
+        of the rows that go on. Finished (ghost) rows are skipped."""
+        keep = []
+        for a, t in enumerate(tokens):
+            r = active[a]
+            if done[r]:
+                continue
+            if t in self.eos_ids:
+                reason[r], done[r] = "eos", True
+                continue
+            new[r].append(t)
+            if ((self.stop_at_final or self.stop_at_first_line) and t in self.newline_ids
+                    and (rule := line_stop(self.tokenizer.decode(new[r], skip_special_tokens=True),
+                                           self.stop_at_final, self.stop_at_first_line))):
+                reason[r], done[r] = rule, True
+                continue
+            keep.append(a)
+        return keep
+
     def _new_cache(self, capacity: int):
         cache = DynamicCache(config=self.model.config)
         cache.layers = [CompactLayer(capacity) for _ in cache.layers]
@@ -350,33 +355,6 @@ class CompactDecoder:
                             position_ids=pos, logits_to_keep=1)
         self.decode_stats["prompt_tokens_computed"] += int(attn.sum())
         return cache, out.logits[:, -1]
-
-    def _prefill_rows(self, input_ids, attn):
-        """Each row's prompt computed alone (batch 1, no padding, nothing before it), i.e. as the
-        canonical forward computes it: the prompt's keys / values and first logits then cannot
-        depend on the other rows of the batch. Its keys / values are copied into the aligned
-        layout (row r's prompt in columns 0..n_r-1, see :meth:`_decode_compact`)."""
-        B, P = input_ids.shape
-        lens = attn.sum(-1).tolist()
-        cap = P + self.max_new_tokens
-        bufs: list = []
-        logits = []
-        for r, n in enumerate(lens):
-            one = self._new_cache(n)
-            out = self._forward(one, n, input_ids=input_ids[r:r + 1, P - n:], logits_to_keep=1)
-            if not bufs:
-                bufs = [(x.buf_k.new_zeros((B, x.buf_k.shape[1], cap, x.buf_k.shape[3])),
-                         x.buf_v.new_zeros((B, x.buf_v.shape[1], cap, x.buf_v.shape[3]))) for x in one.layers]
-            for (bk, bv), x in zip(bufs, one.layers):
-                bk[r, :, :n] = x.buf_k[0, :, :n]
-                bv[r, :, :n] = x.buf_v[0, :, :n]
-            logits.append(out.logits[0, -1])
-            self.decode_stats["prefill_calls"] += 1
-        cache = self._new_cache(cap)
-        for layer, (bk, bv) in zip(cache.layers, bufs):
-            layer.preload(bk, bv, P)
-        self.decode_stats["prompt_tokens_computed"] += int(sum(lens))
-        return cache, torch.stack(logits)
 
     def _prefill_shared(self, input_ids, attn):
         """The same state as :meth:`_prefill_plain`, each shared prefix segment computed once.
@@ -438,101 +416,6 @@ class CompactDecoder:
         for r, leaf in enumerate(leaves_by_row(segs, B)):
             gather[r, P - lens[r]:] = torch.tensor(slots(leaf))
         return self._cache_from_store(store_k, store_v, gather.to(dev), P + self.max_new_tokens), torch.stack(logits)
-
-    def _prefill_chunks(self, input_ids, attn):
-        """The row prefill in chunks of ``prefill_chunk`` tokens, shared chunks computed once.
-
-        A prompt's canonical prefill: its tokens cut at every multiple of C, each chunk computed
-        after the exact keys / values of the chunks before it; the last chunk (1..C tokens) gives
-        the first logits. Chunk j of a prompt is a function of its first (j+1) C tokens only, so
-        it is computed once per distinct prefix and kept (``chunk_memo_mb``, least recently used
-        first out): a formulation's instruction is computed once for a whole run. The full chunks
-        of one depth are computed together (rows of C tokens after jC keys each: the same shapes
-        for every row, no padding); the last chunk of each row alone. What a row gets then does not
-        depend on the batch, as long as a row's result does not depend on the other rows of the same
-        shapes (``linear`` at >= 2 rows is checked at load; attention is tested end to end). The
-        keys / values go to the aligned layout of :meth:`_decode_compact`."""
-        B, P = input_ids.shape
-        C = self.prefill_chunk
-        lens = attn.sum(-1).tolist()
-        ids = [input_ids[r, P - n:].tolist() for r, n in enumerate(lens)]
-        full = [(n - 1) // C for n in lens]          # full chunks before each row's last chunk
-        memo = self._chunk_memo
-        held: dict = {}     # every chunk this call uses, whatever the memo evicts meanwhile
-        stats = self.decode_stats
-        for j in range(max(full)):
-            keys = list(dict.fromkeys(tuple(x[:(j + 1) * C]) for x, f in zip(ids, full) if f > j))
-            todo = [k for k in keys if k not in memo]
-            for k in keys:
-                if k in memo:
-                    memo.move_to_end(k)
-                    held[k] = memo[k]
-            for s in range(0, len(todo), max(1, self.prefill_tokens // ((j + 1) * C))):
-                part = todo[s:s + max(1, self.prefill_tokens // ((j + 1) * C))]
-                past = [self._chunk_past(held, k, j) for k in part]
-                tok = torch.tensor([list(k[j * C:]) for k in part], device=input_ids.device)
-                store, logits = self._run_chunk(past, tok, j * C, logits=False)
-                for u, k in enumerate(part):
-                    held[k] = store[:, :, u, :, j * C:].clone()
-                    self._memo_put(k, held[k])
-                stats["prompt_tokens_computed"] += len(part) * C
-                stats["prefill_calls"] += 1
-        cap = P + self.max_new_tokens
-        big = None
-        logits = []
-        for r, (x, f) in enumerate(zip(ids, full)):
-            store, last = self._run_chunk([self._chunk_past(held, tuple(x), f)], torch.tensor([x[f * C:]]).to(input_ids.device),
-                                          f * C, logits=True)
-            if big is None:
-                big = store.new_zeros(store.shape[:2] + (B,) + (store.shape[3], cap, store.shape[5]))
-            big[:, :, r, :, :len(x)] = store[:, :, 0, :, :len(x)]
-            logits.append(last[0])
-            stats["prompt_tokens_computed"] += len(x) - f * C
-            stats["prefill_calls"] += 1
-        cache = self._new_cache(cap)
-        for layer, kv in zip(cache.layers, big):
-            layer.preload(kv[0], kv[1], P)
-        return cache, torch.stack(logits)
-
-    def _chunk_past(self, held: dict, key: tuple, j: int):
-        """The keys / values of the first j chunks of prefix ``key`` (from ``held``: prefix -> chunk):
-        (layers, 2, heads, jC, dim), or None for j = 0."""
-        C = self.prefill_chunk
-        if j == 0:
-            return None
-        return torch.cat([held[key[:(i + 1) * C]] for i in range(j)], dim=3)
-
-    def _run_chunk(self, past: list, tokens, start: int, logits: bool):
-        """One forward of ``tokens`` (rows, T) at positions start.. after each row's ``past`` keys /
-        values (None when start = 0); returns (every layer's keys / values (layers, 2, rows, heads,
-        start + T, dim), the last logits or None)."""
-        n, T = tokens.shape
-        cache = self._new_cache(start + T)
-        if start:
-            stacked = torch.stack(past, dim=2)                # layers, 2, rows, heads, start, dim
-            shape = stacked.shape
-            buf = stacked.new_zeros(shape[:4] + (start + T, shape[5]))
-            buf[..., :start, :] = stacked
-            for layer, kv in zip(cache.layers, buf):
-                layer.preload(kv[0], kv[1], start)
-        pos = torch.arange(start, start + T, device=tokens.device).expand(n, T)
-        mask = None
-        if self.sliding_window:
-            every = torch.ones((n, start + T), dtype=torch.bool, device=tokens.device)
-            mask = self._position_masks(every, torch.arange(start + T, device=tokens.device).expand(n, -1), pos,
-                                        every[:, start:])
-        out = self._forward(cache, start + T, input_ids=tokens, attention_mask=mask, position_ids=pos,
-                            logits_to_keep=1)
-        store = torch.stack([torch.stack([x.buf_k, x.buf_v]) for x in cache.layers]) if not start else buf
-        return store, (out.logits[:, -1] if logits else None)
-
-    def _memo_put(self, key: tuple, kv) -> None:
-        memo = self._chunk_memo
-        memo[key] = kv
-        self._chunk_memo_bytes += kv.numel() * kv.element_size()
-        while self._chunk_memo_bytes > self.chunk_memo_mb * 2 ** 20 and len(memo) > 1:
-            _, old = memo.popitem(last=False)
-            self._chunk_memo_bytes -= old.numel() * old.element_size()
 
     def _cache_from_store(self, store_k, store_v, gather, capacity: int):
         """A compact cache of ``capacity`` columns whose first ``gather.shape[1]`` columns hold, for

@@ -12,7 +12,7 @@ rows, but a call of *one* row takes another kernel (GEMV) and differs; the decod
 :func:`memtoc.backends.attention.cpu_decode_attention` gives a row the same bits whatever the other
 rows and whatever masked columns follow its keys, but not when its keys start one column later (an
 odd shift re-pairs the bf16 dot products). So: (1) each prompt's prefill is computed for that row
-alone (:meth:`~memtoc.backends.compact.CompactDecoder._prefill_chunks`: cut at every multiple of
+alone (:meth:`~memtoc.backends.rowprefill.RowPrefill._prefill_chunks`: cut at every multiple of
 ``prefill_chunk`` tokens, default 16; chunk j depends on the prompt's first (j+1) x 16 tokens only,
 so a chunk that several prompts share is computed once and kept for later calls, up to
 ``chunk_memo_mb``; ``prefill_chunk: 0`` = the whole prompt in one forward); (2) the decode cache is
@@ -213,13 +213,7 @@ class TransformersGenerator(CompactDecoder, Generator):
         self.row_prefill = cpu_bf16 and decode == "compact" if row_prefill is None else bool(row_prefill)
         if tie_margin is None:
             tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 else 0.0
-        for name, value in (("prefill_chunk", prefill_chunk), ("chunk_memo_mb", chunk_memo_mb)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"transformers backend option {name} must be an integer >= 0, got {value!r}")
-        self.prefill_chunk = prefill_chunk     # 0: each prompt's prefill in one forward
-        self.chunk_memo_mb = chunk_memo_mb
-        self._chunk_memo: OrderedDict = OrderedDict()   # prefix tokens -> a chunk's keys / values
-        self._chunk_memo_bytes = 0
+        self._init_chunks(prefill_chunk, chunk_memo_mb)
         if not isinstance(tie_margin, (int, float)) or isinstance(tie_margin, bool) or tie_margin < 0:
             raise ConfigError(f"transformers backend option tie_margin must be a number >= 0, got {tie_margin!r}")
         self.tie_margin = float(tie_margin)
@@ -242,20 +236,10 @@ class TransformersGenerator(CompactDecoder, Generator):
         self.info = {"decode_path": self.decode if why is None else "generate", "compact_unsupported": why,
                      "cache_keyword": self.cache_kw, "sliding_window": self.sliding_window,
                      "attention": self.attention}
-        if self.row_prefill and why is not None and row_prefill is None:
-            self.row_prefill = False   # the default, on a model the compact loop cannot run
-        if self.row_prefill and why is None:
-            self.info["linear_rows_differ"] = differ = linear_rows_invariant(self.model)
-            if differ:
-                log.warning("%s: on this CPU a bfloat16 linear layer's rows depend on the batch size (%s): "
-                            "replies can depend on the batch; dtype float32 keeps them invariant", spec.name, differ)
         if why is not None and self.decode == "compact":
             log.warning("%s: the compact decode loop does not support this model (%s); using "
                         "model.generate", spec.name, why)
-        if self.row_prefill and (why is not None or self.decode != "compact"):
-            raise ConfigError(f"transformers backend option row_prefill needs the compact decode loop "
-                              f"(decode: compact), which {'is off' if why is None else 'cannot run: ' + why}; "
-                              "remove row_prefill")
+        self._check_row_prefill(why, asked=row_prefill is not None)
         super().__init__({
             "model": spec.name, "weights_sha256": weights_hash(self.path, cache_dir),
             "adapter_sha256": a_hash, "backend": self.backend,
@@ -269,6 +253,35 @@ class TransformersGenerator(CompactDecoder, Generator):
                          **({"prefill": "rows", "prefill_chunk": self.prefill_chunk} if self.row_prefill else {}),
                          **self.policy.identity()},   # the model's penalties (memtoc.decoding), when it has any
         })
+
+    def _check_row_prefill(self, why: Optional[str], asked: bool) -> None:
+        """The row prefill needs the compact loop (``why``: why that cannot run, or None): off
+        when it was only the default, an error when it was asked for. When on, the bf16 ``linear``
+        property it rests on is checked on the model's weights (a warning names a failure)."""
+        if self.row_prefill and why is not None and not asked:
+            self.row_prefill = False   # the default, on a model the compact loop cannot run
+        if self.row_prefill and (why is not None or self.decode != "compact"):
+            raise ConfigError(f"transformers backend option row_prefill needs the compact decode loop "
+                              f"(decode: compact), which {'is off' if why is None else 'cannot run: ' + why}; "
+                              "remove row_prefill")
+        if self.row_prefill:
+            self.info["linear_rows_differ"] = differ = linear_rows_invariant(self.model)
+            if differ:
+                log.warning("%s: on this CPU a bfloat16 linear layer's rows depend on the batch size (%s): "
+                            "replies can depend on the batch; dtype float32 keeps them invariant",
+                            self.spec.name, differ)
+
+    def _init_chunks(self, prefill_chunk: int, chunk_memo_mb: int) -> None:
+        """The chunked row prefill's settings and its kept chunks (memtoc.backends.rowprefill)."""
+        for name, value in (("prefill_chunk", prefill_chunk), ("chunk_memo_mb", chunk_memo_mb)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"transformers backend option {name} must be an integer >= 0, got {value!r}")
+        self.prefill_chunk = prefill_chunk     # 0: each prompt's prefill in one forward
+        self.chunk_memo_mb = chunk_memo_mb
+        self._chunk_memo: OrderedDict = OrderedDict()   # chunk name -> its keys / values
+        self._chunk_memo_bytes = 0
+        self._chunk_names: dict = {}                     # (chunk before, tokens) -> chunk name
+        self._chunk_tokens: list = []                    # chunk name -> its tokens
 
     def _load(self, attention: str, adapter) -> Optional[str]:
         """Load the tokenizer (left padding) and the model with its attention kernel (``adapter``
