@@ -101,7 +101,8 @@ class _GrammarMask:
 
 class ConstrainedDecoder:
     """Greedy decoding of JSON values under JSON schemas, batched (``model.generate`` with a
-    left-padded batch and llguidance masking every row's logits).
+    left-padded batch and llguidance masking every row's logits; one job at a time for a CPU model
+    that is not float32, whose batches the tie-break cannot make batch-invariant).
 
     The JSON is compact with ``", "`` / ``": "`` separators and no free whitespace (the paper's
     Qwen guided cell "looped on JSON whitespace"; here whitespace is not a choice), and objects admit
@@ -112,6 +113,10 @@ class ConstrainedDecoder:
         self.vocab = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab)
         self.max_batch = int(max_batch)
+        if not str(device).startswith("cuda") and next(model.parameters()).dtype != torch.float32:
+            # the tie-break guards float32's batch noise only: a CPU bf16 model's left-padded batches
+            # move logits by up to 1.0 (memtoc.backends.hf), so each job is decoded alone there
+            self.max_batch = 1
         eos = model.generation_config.eos_token_id
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos = int(eos[0] if isinstance(eos, (list, tuple)) else eos)
