@@ -41,6 +41,7 @@ from .gpuenv import gpu_needs
 from .pipeline import plan, preflight, resolve_paths
 from .blockconfig import FinetuneConfig
 from .runconfig import RunConfig, expect_config
+from .vocab import BAND
 from .transfer import core as transfer
 from .transfer import source as transfer_source
 
@@ -325,18 +326,38 @@ def _d_model(params_b: float) -> float:
     return math.sqrt(params_b * 1e9 / (12 * 32))
 
 
+def steering_plan(spec, pr) -> tuple[int, int, int]:
+    """(dictionaries, single layers, multi-layer arms) of one model in 05: the ``sae_layers`` (one
+    by default) and the layers of its ``arms`` (``band``: the model's ``bands`` entry, else
+    ``default_band_layers`` layers)."""
+    def of(table):
+        return table.get(spec.name, table.get(spec.label))
+    singles = {("layer", int(l)) for l in (of(pr.sae_layers) or [])} or {("layer", "middle")}
+    band = of(pr.bands)
+    band_layers = {("layer", l) for l in range(int(band[0]), int(band[1]) + 1)} if band \
+        else {("band", i) for i in range(pr.default_band_layers)}
+    arms = of(pr.arms) or []
+    layers = set(singles)
+    for a in arms:
+        layers |= band_layers if a["layers"] == BAND else {("layer", int(l)) for l in a["layers"]}
+    return len(layers), len(singles), len(arms)
+
+
 def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
     """05 on one model (the module's formulas): the exact lens fit (one backward pass per residual
-    coordinate over the fit prompts), the read-outs, the SAE activations and training, the steering
-    replies; float32 at ``GPU_TFLOPS`` x ``MFU`` (TF32 products)."""
+    coordinate over the fit prompts), the read-outs, the SAE activations and training per
+    dictionary, the steering replies of every arm; float32 at ``GPU_TFLOPS`` x ``MFU`` (TF32 products)."""
     if spec.params_b is None:
         return None
     n, d = spec.params_b * 1e9, _d_model(spec.params_b)
     rate = GPU_TFLOPS * 1e12 * MFU
     fit = pr.lens_fit_prompts * d * 6 * n * pr.lens_max_seq_len / rate
     reads = n_episodes * 2 * n * PROMPT_TOKENS / rate
-    sae = (pr.sae_prompts * PROMPT_TOKENS * 2 * n + pr.sae_steps * pr.sae_batch * 6 * d * d * pr.sae_expansion) / rate
-    replies = 2 * pr.steer_per_direction * (1 + len(pr.positions) * len(pr.strengths))
+    n_dict, n_single, n_arms = steering_plan(spec, pr)
+    sae = n_dict * (pr.sae_prompts * PROMPT_TOKENS * 2 * n
+                    + pr.sae_steps * pr.sae_batch * 6 * d * d * pr.sae_expansion) / rate
+    replies = 2 * pr.steer_per_direction * (n_single * (1 + len(pr.positions) * len(pr.strengths))
+                                            + n_arms * (1 + len(pr.strengths)))
     steer = replies * STEER_SECONDS_PER_REPLY_8B * spec.params_b / 8.0
     return fit + reads + sae + steer
 
@@ -345,7 +366,8 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
     pr = ctx.cfg.probes
     plan = StagePlan(step.name, True, device=ctx.device, backend="transformers (float32)",
                      data=f"lens fit {pr.lens_fit_prompts} x {pr.lens_max_seq_len} tokens, SAE {pr.sae_steps} steps on "
-                          f"{pr.sae_prompts} prompts, {pr.steer_per_direction} steering episodes per direction")
+                          f"{pr.sae_prompts} prompts, {pr.steer_per_direction} steering episodes per direction, "
+                          f"mining on {pr.mining_set}, stopping bar {pr.steer_bar}")
     plan.lines.append(f"  {step.name:<18} per model: {plan.data} (exact lens: one backward pass per residual coordinate)")
     n_eps = min(pr.lens_max_episodes, ctx.n03)
     rows = []
@@ -353,7 +375,10 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
         w = ctx.est[spec.name]["weights_gb"]
         if w is not None:
             plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * 4.0 * 1.3)   # float32 weights + activations
-        rows.append((spec, 0, probes_seconds(spec, pr, n_eps), ""))
+        n_dict, n_single, n_arms = steering_plan(spec, pr)
+        rows.append((spec, 0, probes_seconds(spec, pr, n_eps),
+                     f"{n_dict} dictionar{'y' if n_dict == 1 else 'ies'}, {n_single} single-layer + {n_arms} "
+                     "multi-layer steering arm(s);"))
     return _per_model(plan, ctx, rows)
 
 

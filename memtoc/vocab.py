@@ -123,6 +123,16 @@ DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 Position = Literal["last", "tool_span"]
 POSITIONS: tuple[Position, ...] = get_args(Position)
 FVU_GATE = 0.5                        # an SAE passes when its held-out fraction of variance unexplained is below
+#: the episodes features are mined on: the mining fold's tool-wrong episodes, or (App. C) those of them that
+#: underlie notebook 04's DPO pair set of that fold
+MiningSet = Literal["fold", "dpo_pairs"]
+MINING_SETS: tuple[MiningSet, ...] = get_args(MiningSet)
+#: the stopping bar: half the pooled prompting effect of notebook 03, or (App. C) half the prompting
+#: effect on the dev flip (the steered episodes' own flip under the strongest prompt sentence)
+SteerBar = Literal["pooled", "dev_flip"]
+STEER_BARS: tuple[SteerBar, ...] = get_args(SteerBar)
+#: an arm's layer list that means every source layer of the model's band
+BAND = "band"
 
 # notebook 06 (transfer): the presentation pools; the matcher's unmatched-answer gap
 Pool = Literal["value", "passage"]

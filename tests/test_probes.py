@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memtoc.config import ConfigError
-from memtoc.probes import core, corpus, dictionaries, lens as L, mining as M, sae as S, steering as ST
+from memtoc.probes import core, corpus, dictionaries, lens as L, mining as M, sae as S, saerun as SR, steering as ST
 from memtoc.probes.hfmodel import residuals, unembed, wrap_model
 from memtoc.runconfig import RunConfig
 from memtoc.vocab import POSITIONS
@@ -201,7 +201,7 @@ def test_strength_zero_edit_leaves_greedy_replies_byte_identical(tmp_path):
     plain = [_greedy(lm, p, 12) for p in prompts]
     for pos in POSITIONS:
         edit0 = ST.Edit(1, "to_memory", pos, 0.0, (0, 1), (5.0, 5.0), (2, 3))
-        gen = ST.SteeredGenerator(lm, sae, ST.sae_sha256(sae), edit0, spans, max_new_tokens=12, stop_at_final=False)
+        gen = ST.SteeredGenerator(lm, [(sae, ST.sae_sha256(sae), edit0)], spans, max_new_tokens=12, stop_at_final=False)
         replies = gen.generate(prompts, cache_path=tmp_path / "r.jsonl")
         assert [r.text for r in replies] == plain
     # a real edit changes the residual stream at exactly the edited positions
@@ -210,7 +210,7 @@ def test_strength_zero_edit_leaves_greedy_replies_byte_identical(tmp_path):
     out = ST.apply_edit(sae, h, [5], e)
     assert torch.equal(out[0, :5], h[0, :5]) and not torch.equal(out[0, 5], h[0, 5])
     # replies are cached: a second call reads them
-    again = ST.SteeredGenerator(lm, sae, ST.sae_sha256(sae), edit0, spans, max_new_tokens=12, stop_at_final=False)
+    again = ST.SteeredGenerator(lm, [(sae, ST.sae_sha256(sae), edit0)], spans, max_new_tokens=12, stop_at_final=False)
     assert all(r.cached for r in again.generate(prompts, cache_path=tmp_path / "r.jsonl"))
 
 
@@ -310,8 +310,8 @@ def test_run_sae_skips_with_too_few_mining_episodes(tmp_path):
     rows = [{"question_id": "1.1", "instance_id": 1, "fold": 0, "prompt": "p", "outcome": "kept_memory"},
             {"question_id": "2.1", "instance_id": 2, "fold": 1, "prompt": "q", "outcome": "followed_tool"}]
     _, info = corpus.load_corpus()
-    res = core.run_sae(tiny_lm(), RunConfig.of({}), rows, [], tmp_path, ["text " * 50], info, {})
-    assert res["layers"] == {} and "too few mining-fold" in res["steer"]["skipped"]
+    res = SR.run_sae(tiny_lm(), RunConfig.of({}), rows, [], tmp_path, ["text " * 50], info, {}, [1])
+    assert res["layers"] == {} and "too few mining-set" in res["steer"]["skipped"]
 
 
 def test_lens_estimator_on_a_tiny_gemma3_with_sliding_window():

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..vocab import BUILTIN, DIRECTIONS, FVU_GATE, POSITIONS
+from ..vocab import BAND, BUILTIN, DIRECTIONS, FVU_GATE, MINING_SETS, POSITIONS, STEER_BARS
 from .base import Block, Fail, is_num
 
-PER_MODEL = ("bands", "lens_files", "sae_layers", "sae_files")   # mappings keyed by model name
+PER_MODEL = ("bands", "lens_files", "sae_layers", "sae_files", "arms")   # mappings keyed by model name
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class ProbesConfig(Block):
     fvu_gate: float = FVU_GATE
     # mining and steering
     mine_fold: int = 0
+    mining_set: str = "fold"                       # fold | dpo_pairs (App. C: the tool-wrong episodes under 04's
+                                                   # DPO pairs of fold mine_fold)
     mine_per_label: int = 6                        # mining episodes per label (kept memory / followed tool)
     top_features: int = 8                          # latents per side, in descending MI order
     feature_mi_share: float | None = None          # else App. C's K: per side, the fewest latents holding this
@@ -60,6 +62,10 @@ class ProbesConfig(Block):
     directions: tuple[str, ...] = DIRECTIONS
     positions: tuple[str, ...] = POSITIONS
     steer_formulations: tuple[str, ...] = ("reference",)
+    arms: dict = field(default_factory=dict)       # {model: [{layers: [l, ...] | band, position}]}: App. C's
+                                                   # multi-layer arms, the edit at every layer at once
+    steer_bar: str = "dev_flip"                    # dev_flip (App. C: half the prompting effect on the steered
+                                                   # episodes' own flip) | pooled (half 03's pooled effect)
 
     @classmethod
     def check(cls, pr: dict[str, Any], run: Mapping[str, Any], fail: Fail, **context: Any) -> None:
@@ -76,3 +82,23 @@ class ProbesConfig(Block):
         for key in PER_MODEL:
             if not isinstance(pr[key], dict):
                 fail(key, f"must be a mapping keyed by model name, got {pr[key]!r}")
+        for key, valid in (("mining_set", MINING_SETS), ("steer_bar", STEER_BARS)):
+            if pr[key] not in valid:
+                fail(key, f"unknown value {pr[key]!r}; valid: {', '.join(valid)}")
+        for model, arms in pr["arms"].items():
+            if not isinstance(arms, list):
+                fail(f"arms.{model}", f"must be a list of {{layers, position}} arms, got {arms!r}")
+            for i, arm in enumerate(arms):
+                cls.check_arm(arm, f"arms.{model}[{i}]", fail)
+
+    @staticmethod
+    def check_arm(arm: Any, where: str, fail: Fail) -> None:
+        if not isinstance(arm, dict) or set(arm) - {"layers", "position"} or "layers" not in arm:
+            fail(where, f"must be a mapping {{layers: [l, ...] or {BAND}, position: last | tool_span}}, got {arm!r}")
+        layers = arm["layers"]
+        if layers != BAND and (not isinstance(layers, list) or not layers
+                               or any(not isinstance(l, int) or isinstance(l, bool) or l < 0 for l in layers)
+                               or len(set(layers)) != len(layers)):
+            fail(f"{where}.layers", f"must be {BAND!r} or a list of distinct layer numbers, got {layers!r}")
+        if arm.get("position", "last") not in POSITIONS:
+            fail(f"{where}.position", f"unknown position {arm.get('position')!r}; valid: {', '.join(POSITIONS)}")

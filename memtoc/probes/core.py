@@ -12,9 +12,12 @@ probe (App. C) on every model of the run, reading notebooks 02/03's outputs of t
     /models/<model>/lens_quality/<readout>/<layer>                              {top1, n}
     /models/<model>/lens_fit                                                    band, file, corpus, prompts, tokens, seconds
     /models/<model>/sae/layers/<l>/{fvu, passes_gate, l0, dead_fraction, spliced_loss, file, ...}
-    /models/<model>/sae/mining                                                  split info, features per side
-    /models/<model>/sae/steer/bar                                               the stopping bar (half of 03's prompting effect)
+    /models/<model>/sae/split                                                   mining set (probes.mining_set) and edit set
+    /models/<model>/sae/mining                                                  features per side and layer
+    /models/<model>/sae/arms/<arm>                                              a multi-layer arm: layers, position, median FVU gate
+    /models/<model>/sae/steer/bar                                               the stopping bar (probes.steer_bar: pooled | dev_flip)
     /models/<model>/sae/steer/<layer>/<direction>/<position>/<strength>         steering cell (steering.cell)
+    /models/<model>/sae/steer/arms/<arm>/<direction>/<position>/<strength>      a multi-layer arm's cell (saerun)
     /models/<model>/timing                                                      seconds per part
     /published                                                                  the paper's Table 8 and App. C numbers
 
@@ -31,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
 
 from .. import models
 from ..benchmark import load_benchmark
@@ -42,12 +44,9 @@ from ..runconfig import RunConfig, expect_config, RunPaths
 from ..scoring import canon, strip_answer_label
 from ..weights import model_cache_root
 from . import corpus as C
-from . import dictionaries as D
 from . import lens as L
 from . import lensfiles as LF
-from . import mining as M
-from . import sae as S
-from . import steering as ST
+from . import saerun as SR
 from .hfmodel import LoadedModel, load_model
 
 SCHEMA_VERSION = 1
@@ -259,165 +258,6 @@ def lens_set(lm: LoadedModel, lens: L.Lens, band: list[int], eps: list[dict], n_
 
 
 # -- the SAE -------------------------------------------------------------------------------------
-def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_dir: Path,
-            docs_fit: list[str], corpus_info: C.CorpusInfo, evaluation: dict) -> dict[str, Any]:
-    """The SAE probe of one model: dictionaries per layer (given or trained here; seed: the run's seed
-    plus the layer), their FVU gate, then feature mining and steering with the passing ones."""
-    pr = cfg.probes
-    timing: dict[str, float] = {}
-    mine, edit, split_info = M.split_folds(rows, questions, pr.mine_fold)
-    mine_q = sorted({r["question_id"] for r in mine})
-    # training prompts: the mining fold's own tool-wrong prompts (never the edit fold's) + generic documents;
-    # held out (FVU gate, spliced loss): the last mining-fold prompts, disjoint from the training ones
-    n_held = min(pr.sae_heldout_prompts, len(mine) // 4) if len(mine) >= 2 else 0
-    if n_held < 1:
-        return {"layers": {}, "split": split_info, "mined_questions": len(mine_q), "timing": timing,
-                "steer": {"skipped": f"too few mining-fold tool-wrong episodes ({len(mine)}) for an SAE with a "
-                                     "held-out set; larger n_questions"}}
-    held_eps = mine[len(mine) - n_held:]
-    train_eps = mine[: min(pr.sae_prompts, len(mine) - n_held)]
-    seq_train = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in train_eps]
-    seq_train += [lm.encode_text(d, pr.sae_max_seq_len) for d in docs_fit[: pr.sae_corpus_texts]]
-    seq_held = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in held_eps]
-    layers = _for_model(pr.sae_layers, lm.name, lm.spec.label)
-    band = band_of(pr, lm)
-    layers = [int(l) for l in (layers or [band[len(band) // 2]])]
-    files = _for_model(pr.sae_files, lm.name, lm.spec.label) or {}
-    out_layers: dict[str, Any] = {}
-    saes: dict[int, tuple[D.SparseDictionary, str]] = {}
-    for l in layers:
-        t1 = time.time()
-        acts = torch.cat(S.layer_acts(lm, seq_train, l))
-        held = torch.cat(S.layer_acts(lm, seq_held, l))
-        timing[f"sae_layer{l}_activations"] = time.time() - t1
-        given = files.get(l, files.get(str(l)))
-        if given:
-            sae, dcfg = D.load_sae(Path(given))
-            if sae.d_in != lm.d_model:
-                raise ConfigError(f"probes.sae_files.{lm.name}.{l}: {given} reads d_in = {sae.d_in}, the model's "
-                                  f"d_model is {lm.d_model}; name the dictionary of this model's layer {l}")
-            info = {"source": "given", "file": str(given), "layout": dcfg["layout"],
-                    "architecture": sae.architecture}
-        else:
-            sae, info = S.train_topk(acts, pr.sae_expansion * lm.d_model, pr.sae_k, pr.sae_steps,
-                                     pr.sae_batch, pr.sae_lr, seed=cfg.seed + l)
-            d = RunPaths(run_dir).probe_sae(lm.spec.label, l)
-            S.save_sae(sae, d, model_name=lm.name, layer=l,
-                       extra={"corpus": corpus_info.to_dict(), "train": info})
-            info = info | {"source": "trained here", "file": str(d.relative_to(run_dir))}   # relative: the run moves
-        timing[f"sae_layer{l}_train"] = time.time() - t1 - timing[f"sae_layer{l}_activations"]
-        m = S.metrics(sae, held)
-        m["passes_gate"] = bool(m["fvu"] < pr.fvu_gate)
-        m_train = S.metrics(sae, acts)
-        out_layers[str(l)] = {**m, "fvu_train": m_train["fvu"], "dead_fraction_train": m_train["dead_fraction"],
-                              "spliced_loss": S.spliced_loss(lm, seq_held, l, sae), "gate": pr.fvu_gate,
-                              "n_train_tokens": int(acts.shape[0]), **info}
-        saes[l] = (sae, ST.sae_sha256(sae))
-        timing[f"sae_layer{l}_total"] = time.time() - t1
-    named = _for_model(pr.dictionaries, lm.name, lm.spec.label)
-    res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q),
-                           "dictionary": {"paper": named, "used": {l: out_layers[str(l)]["source"] for l in layers},
-                                          "note": ("probes.sae_files names local copies of released dictionaries "
-                                                   "(ReLU, JumpReLU or TopK in sae-lens's, GemmaScope's or Llama "
-                                                   "Scope's layout; probes.dictionaries.load_sae); without one a "
-                                                   "TopK dictionary is trained here")}}
-    passing = [l for l in layers if out_layers[str(l)]["passes_gate"]]
-    bar = ST.prompting_bar(evaluation, lm.name)
-    res["steer"] = {"bar": bar}
-    if not passing:
-        res["steer"]["skipped"] = f"no dictionary passes the FVU gate (< {pr.fvu_gate}); no edit is run"
-        res["timing"] = timing
-        return res
-    mining = mine_and_steer(lm, cfg, mine, edit, passing, saes, run_dir, bar["bar"], res["steer"], questions,
-                            timing)
-    res["mining"] = mining
-    res["timing"] = timing
-    return res
-
-
-def _labelled(rows: list[dict], n: int) -> list[dict]:
-    out = []
-    for lab in (M.MEMORY, M.TOOL):
-        out += [r for r in rows if r["outcome"] == lab][:n]
-    return out
-
-
-def mine_and_steer(lm: LoadedModel, cfg: RunConfig, mine: list[dict], edit: list[dict], layers: list[int],
-                   saes: dict, run_dir: Path, bar: Optional[float], steer_out: dict, questions, timing: dict) -> dict[str, Any]:
-    """Mine features on the mining fold (half for MI, half for the held-out cross-check), then run
-    the edits on the other fold's episodes."""
-    pr = cfg.probes
-    qs = sorted({r["question_id"] for r in mine})
-    half = set(qs[0::2])
-    mi_rows = _labelled([r for r in mine if r["question_id"] in half], pr.mine_per_label)
-    ho_rows = _labelled([r for r in mine if r["question_id"] not in half], pr.mine_per_label)
-    out: dict[str, Any] = {"n_mi": len(mi_rows), "n_heldout": len(ho_rows),
-                           "n_mi_by_label": {lab: sum(r["outcome"] == lab for r in mi_rows) for lab in (M.MEMORY, M.TOOL)}}
-    matcher = cfg.matcher
-    forms = set(pr.steer_formulations)
-    cand = [r for r in edit if r["formulation"] in forms]
-    sel = {"to_memory": [r for r in cand if r["outcome"] == M.TOOL][: pr.steer_per_direction],
-           "to_tool": [r for r in cand if r["outcome"] == M.MEMORY][: pr.steer_per_direction]}
-    M.assert_disjoint(mi_rows + ho_rows, sel["to_memory"] + sel["to_tool"], questions)
-    for l in layers:
-        t0 = time.time()
-        sae, sha = saes[l]
-        z = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in mi_rows], l, "last")))
-        zh = sae.encode(torch.cat(S.layer_acts(lm, [lm.encode_prompt(r["prompt"]) for r in ho_rows], l, "last"))) \
-            if ho_rows else torch.zeros(0, sae.d_sae)
-        feats = M.mine_features(z, [r["outcome"] for r in mi_rows], zh, [r["outcome"] for r in ho_rows],
-                                pr.top_features, mi_share=pr.feature_mi_share)
-        out[str(l)] = {"features": M.feature_table(feats), "per_side": {s: len(feats[s]) for s in feats},
-                       "heldout_agreement": {s: [f.agrees for f in feats[s]] for s in feats}}
-        timing[f"mining_layer{l}"] = time.time() - t0
-        if not feats[M.MEMORY] and not feats[M.TOOL]:
-            steer_out[str(l)] = {"skipped": "no feature separates the labels on the mining episodes"}
-            continue
-        t0 = time.time()
-        steer_out[str(l)] = steer_layer(lm, cfg, l, sae, sha, feats, sel, run_dir, matcher, bar)
-        timing[f"steering_layer{l}"] = time.time() - t0
-    out["edit_episodes"] = {d: [r["episode_id"] for r in v] for d, v in sel.items()}
-    return out
-
-
-def steer_layer(lm, cfg: RunConfig, l, sae, sha, feats, sel, run_dir, matcher, bar) -> dict[str, Any]:
-    pr = cfg.probes
-    cache = RunPaths(run_dir).probe_steer_cache(lm.spec.label)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    mnt = cfg.max_new_tokens
-    res: dict[str, Any] = {}
-    for d in pr.directions:
-        eps = sel[d]
-        if not eps:
-            res[d] = {"skipped": f"no edit-fold episode with the baseline label for {d}"}
-            continue
-        add_side, rem_side = (M.MEMORY, M.TOOL) if d == "to_memory" else (M.TOOL, M.MEMORY)
-        prompts = [e["prompt"] for e in eps]
-        spans = {e["prompt"]: json.dumps(e["tool_output"], ensure_ascii=False) for e in eps}
-        res[d] = {"n": len(eps)}
-        add = tuple(f.index for f in feats[add_side])
-        add_v = tuple(f.mean_act for f in feats[add_side])
-        rem = tuple(f.index for f in feats[rem_side])
-
-        def replies_at(pos: str, s: float):
-            gen = ST.SteeredGenerator(lm, sae, sha, ST.Edit(l, d, pos, float(s), add, add_v, rem), spans,
-                                      max_new_tokens=mnt)
-            return gen.generate(prompts, cache_path=cache, desc=f"{lm.spec.label}: steer {d} {pos} x{s}")
-
-        base = replies_at("last", 0)      # strength 0: the unedited baseline (one per direction)
-        base_scores = [ST.score(r.text, e, matcher) for r, e in zip(base, eps)]
-        res[d]["baseline"] = {"n": len(eps), "matches_run_replies": sum(r.text == e.get("response")
-                                                                         for r, e in zip(base, eps)),
-                              "on_target": sum(ST.on_target(x, d) for x in base_scores),
-                              "degeneration": sum(x["degeneration"]["any"] for x in base_scores)}
-        for pos in pr.positions:
-            res[d][pos] = {}
-            for s in pr.strengths:
-                scores = [ST.score(r.text, e, matcher) for r, e in zip(replies_at(pos, s), eps)]
-                res[d][pos][str(s)] = ST.cell(d, base_scores, scores, bar)
-    return res
-
-
 # -- the stage -----------------------------------------------------------------------------------
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Notebook 05's work for every model of the run; writes ``summaries/probes.json``. ``cfg``: the
@@ -441,7 +281,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         lz = run_lens(lm, pr, lens_rows, run_dir, docs_fit[: pr.lens_fit_prompts], docs_held, cinfo,
                       model_cache_root(cfg.model_cache_dir))
         t1 = time.time()
-        sae = run_sae(lm, cfg, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation)
+        sae = SR.run_sae(lm, cfg, rows, bench.questions, run_dir, docs_fit, cinfo, evaluation, band_of(pr, lm))
         summary["models"][name] = {
             "label": lm.spec.label, "chat": lm.spec.chat, "n_layers": lm.n_layers, "d_model": lm.d_model,
             "lens": lz["sets"], "lens_quality": lz["quality"], "lens_fit": {"band": lz["band"], **lz["fit"]},

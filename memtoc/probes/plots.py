@@ -51,28 +51,36 @@ def sae_table(summary: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _arm_cells(ld: dict):
+    for d, dd in ld.items():
+        if d == "layers" or not isinstance(dd, dict) or "skipped" in dd:
+            continue
+        for pos, pd_ in dd.items():
+            if pos in ("n", "baseline"):
+                continue
+            for s, c in pd_.items():
+                if s != "0":
+                    yield d, pos, float(s), c
+
+
 def _cells(summary: dict[str, Any]):
+    """(model, edit, direction, position, strength, cell): ``edit`` is ``L<layer>`` for a single-layer
+    edit, the arm's name (``L23-26@last``) for a multi-layer arm."""
     for model, ms in summary["models"].items():
         st = ms["sae"].get("steer", {})
-        for l, ld in st.items():
-            if l == "bar" or not isinstance(ld, dict) or "skipped" in ld:
-                continue
-            for d, dd in ld.items():
-                if "skipped" in dd:
-                    continue
-                for pos, pd_ in dd.items():
-                    if pos in ("n", "baseline"):
-                        continue
-                    for s, c in pd_.items():
-                        if s != "0":
-                            yield model, int(l), d, pos, float(s), c
+        arms = [(f"L{l}", ld) for l, ld in st.items() if l not in ("bar", "arms", "skipped")]
+        arms += list((st.get("arms") or {}).items())
+        for name, ld in arms:
+            if isinstance(ld, dict) and "skipped" not in ld:
+                for d, pos, s, c in _arm_cells(ld):
+                    yield model, name, d, pos, s, c
 
 
 def steer_table(summary: dict[str, Any]) -> pd.DataFrame:
     rows = []
-    for model, l, d, pos, s, c in _cells(summary):
+    for model, edit, d, pos, s, c in _cells(summary):
         fr = c["flip_rate"]
-        rows.append({"model": model, "layer": l, "direction": d, "position": pos, "strength": s, "n": c["n"],
+        rows.append({"model": model, "edit": edit, "direction": d, "position": pos, "strength": s, "n": c["n"],
                      "flip": fr["value"], "flip_ci95": fr["ci95"], "d_followed_tool": c["delta_followed_tool"],
                      "d_kept_memory": c["delta_kept_memory"], "neither": c["lands_on_neither"]["value"],
                      "degenerate": c["degeneration"]["value"], "clears_bar": c["clears_bar"]})
@@ -132,13 +140,14 @@ def plot_steering(summary: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 3.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         sub = df[df["model"] == model] if len(df) else df
-        for (d, pos, l), g in (sub.groupby(["direction", "position", "layer"]) if len(sub) else []):
+        for (d, pos, edit), g in (sub.groupby(["direction", "position", "edit"]) if len(sub) else []):
             g = g.sort_values("strength")
             ax.plot([0] + list(g["strength"]), [0] + list(g["flip"].fillna(0)), marker="o",
-                    label=f"{d} @ {pos} (L{l})")
-        bar = summary["models"][model]["sae"].get("steer", {}).get("bar", {}).get("bar")
-        if bar is not None:
-            ax.axhline(bar, color="gray", ls=":", label="stopping bar: 1/2 prompting effect (on the change toward the target)")
+                    label=f"{d} @ {pos} ({edit.split('@')[0]})")
+        bar = summary["models"][model]["sae"].get("steer", {}).get("bar", {})
+        if bar.get("bar") is not None:
+            what = "the dev flip" if bar.get("kind") == "dev_flip" else "the change toward the target"
+            ax.axhline(bar["bar"], color="gray", ls=":", label=f"stopping bar: 1/2 prompting effect (on {what})")
         ax.set_xlabel("strength")
         ax.set_ylabel("flip rate")
         ax.set_ylim(-0.02, 1.02)

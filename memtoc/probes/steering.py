@@ -7,8 +7,10 @@ span), with the SAE codes ``z = encode(h)`` of each edited position::
 
 i.e. the *remove* features are clamped to 0 and the *add* features clamped up to their mean active
 value ``mu_f`` on the mining episodes, scaled by the strength ``alpha`` (the paper swept 1-12);
-``alpha = 0`` leaves ``h`` bit for bit. Direction ``to_memory`` adds the kept-memory features and
-removes the followed-tool ones; ``to_tool`` the reverse. The edit applies to the prompt's forward
+``alpha = 0`` leaves ``h`` bit for bit. A multi-layer arm applies one such edit at each of its
+layers (each with that layer's dictionary and features, one ``alpha``) in the same forward pass.
+Direction ``to_memory`` adds the kept-memory features and removes the followed-tool ones;
+``to_tool`` the reverse. The edit applies to the prompt's forward
 pass only (the KV cache carries it into every decode step); decoding is greedy, one prompt at a
 time, and stops at EOS, at the first completed FINAL line, or at ``max_new_tokens``.
 
@@ -98,21 +100,30 @@ def edit_positions(lm: LoadedModel, prompt: str, position: str, span_text: Optio
 
 
 class SteeredGenerator(Generator):
-    """Greedy decoding of ``lm`` with one SAE edit on the prompt's forward pass."""
+    """Greedy decoding of ``lm`` with SAE edits on the prompt's forward pass: one edit per layer,
+    every layer of a multi-layer arm edited in the same pass (``edits``: (dictionary, its sha256,
+    edit) per layer, all at one position kind)."""
 
     backend = "memtoc-probes-steer"
 
-    def __init__(self, lm: LoadedModel, sae: SparseDictionary, sae_sha256: str, edit: Edit, spans: dict[str, str],
+    def __init__(self, lm: LoadedModel, edits: Sequence[tuple[SparseDictionary, str, Edit]], spans: dict[str, str],
                  max_new_tokens: int = 48, stop_at_final: bool = True, stop_at_first_line: Optional[bool] = None):
+        edits = list(edits)
+        if not edits or len({e.layer for _, _, e in edits}) != len(edits) or len({e.position for _, _, e in edits}) != 1:
+            raise ValueError("a steered generator takes one edit per layer (at least one), all at one position kind")
         # a base model's reply is its first complete line, as in notebook 03 (models.load_generator)
         if stop_at_first_line is None:
             stop_at_first_line = not lm.spec.chat
+        # one edit keeps the single-layer identity (its cached replies stay valid); an arm lists its layers'
+        shas, dicts = [sha for _, sha, _ in edits], [e.to_dict() for _, _, e in edits]
         ident = {"backend": self.backend, "decoder": "greedy-batch1-v1", "model": lm.name,
-                 "weights_sha256": lm.weights_sha256, "sae_sha256": sae_sha256, "edit": edit.to_dict(),
+                 "weights_sha256": lm.weights_sha256, "sae_sha256": shas[0] if len(edits) == 1 else shas,
+                 "edit": dicts[0] if len(edits) == 1 else dicts,
                  "max_new_tokens": max_new_tokens, "stop_at_final": stop_at_final,
                  **({"stop_at_first_line": True} if stop_at_first_line else {})}
         super().__init__(ident)
-        self.lm, self.sae, self.edit, self.spans = lm, sae, edit, spans
+        self.lm, self.edits, self.spans = lm, [(sae, e) for sae, _, e in edits], spans
+        self.position = edits[0][2].position
         self.max_new_tokens, self.stop_at_final = max_new_tokens, stop_at_final
         self.stop_at_first_line = bool(stop_at_first_line)
 
@@ -123,19 +134,19 @@ class SteeredGenerator(Generator):
     def reply(self, prompt: str) -> Reply:
         t0 = time.time()
         lm, model = self.lm, self.lm.model
-        ids, pos = edit_positions(lm, prompt, self.edit.position, self.spans.get(prompt))
+        ids, pos = edit_positions(lm, prompt, self.position, self.spans.get(prompt))
         state = {"prefill": True}
 
-        def hook(h):
-            if state["prefill"]:
-                return apply_edit(self.sae, h, pos, self.edit)
-            return None
+        def hook_for(sae: SparseDictionary, edit: Edit):
+            def hook(h):
+                return apply_edit(sae, h, pos, edit) if state["prefill"] else None
+            return hook
 
         eos = set(_as_list(model.generation_config.eos_token_id)) | {lm.tokenizer.eos_token_id}
         new: list[int] = []
         finish = "length"
         ckw = cache_keyword(model)
-        with torch.no_grad(), layer_hooks(model, {self.edit.layer: hook}):
+        with torch.no_grad(), layer_hooks(model, {e.layer: hook_for(sae, e) for sae, e in self.edits}):
             out = model(input_ids=lm.ids(ids), use_cache=True)
             state["prefill"] = False
             past = _past(out, ckw)
@@ -215,8 +226,12 @@ def _rate(k: int, n: int) -> dict[str, Any]:
     return {"value": k / n if n else None, "ci95": clopper_pearson(k, n) if n else None, "k": k, "n": n}
 
 
-def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Optional[float]) -> dict[str, Any]:
-    """One steering cell from paired baseline (strength 0) and steered scores of the same episodes."""
+def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Optional[float],
+         bar_kind: str = "pooled") -> dict[str, Any]:
+    """One steering cell from paired baseline (strength 0) and steered scores of the same episodes.
+    ``clears_bar`` compares the bar with the change toward the target (``bar_kind`` pooled: the bar is
+    half a pooled change) or with the flip rate (dev_flip: the bar is half a prompt sentence's flip of
+    the same episodes)."""
     n = len(base)
     elig = [i for i in range(n) if not on_target(base[i], direction)]
     flips = sum(on_target(steered[i], direction) for i in elig)
@@ -227,6 +242,8 @@ def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Opt
     d_ft = (ft_s - ft_b) / n if n else None
     d_km = (km_s - km_b) / n if n else None
     toward = (d_km if direction == "to_memory" else d_ft)
+    flip = flips / len(elig) if elig else None
+    versus = flip if bar_kind == "dev_flip" else toward
     return {"n": n, "flip_rate": _rate(flips, len(elig)),
             "delta_followed_tool": d_ft, "delta_kept_memory": d_km,
             "lands_on_neither": _rate(sum(s["outcome"] == "neither" for s in steered), n),
@@ -235,7 +252,7 @@ def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Opt
             "degeneration_parts": {k: sum(s["degeneration"][k] for s in steered)
                                    for k in ("no_final", "repetition", "schema_echo")},
             "toward_target": toward,
-            "clears_bar": None if (bar is None or toward is None) else bool(toward >= bar)}
+            "clears_bar": None if (bar is None or versus is None) else bool(versus >= bar)}
 
 
 def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = ("warn", "flag", "prior")
@@ -249,11 +266,41 @@ def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = ("
         if d is not None:
             deltas[a] = d
     if not deltas:
-        return {"bar": None, "effect": None, "arm": None, "deltas": {},
+        return {"kind": "pooled", "bar": None, "effect": None, "arm": None, "deltas": {},
                 "note": f"no prompting contrast for {model} in notebook 03's summary (extra_arms without 'prompting'?): "
                         "no stopping bar"}
     arm = min(deltas, key=lambda a: deltas[a])
     effect = abs(deltas[arm])
-    return {"bar": effect / 2, "effect": effect, "arm": arm, "deltas": deltas,
+    return {"kind": "pooled", "bar": effect / 2, "effect": effect, "arm": arm, "deltas": deltas,
             "note": "half the largest |pooled change in wrong-tool following| among the prompting arms"}
 
+
+
+def episode_key(row: dict) -> tuple[str, str, str, str]:
+    """The episode a scored row is about, whatever its prompt arm: (question, condition, formulation, frame)."""
+    return (str(row["question_id"]), str(row["condition"]), str(row["formulation"]), str(row.get("frame", "schema")))
+
+
+def dev_flip_bar(dev: Sequence[dict], arm_rows: dict[str, dict[tuple, dict]], direction: str = "to_memory"
+                 ) -> dict[str, Any]:
+    """App. C's stopping bar: half the prompting effect *on the dev flip*. ``dev``: the steered
+    episodes of ``direction`` (their untreated replies off target); ``arm_rows``: per prompt
+    sentence, notebook 03's scored rows by :func:`episode_key`. A sentence's dev flip is the share of
+    the dev episodes whose reply under the sentence lands on the direction's side (the flip an edit is
+    scored by); the bar is half the largest. Direction-agnostic as in the paper's qualification run:
+    the one bar, measured memory-ward, is applied to both directions."""
+    flips: dict[str, dict[str, Any]] = {}
+    for arm, rows in arm_rows.items():
+        got = [rows.get(episode_key(e)) for e in dev]
+        if not dev or any(g is None for g in got):
+            continue
+        flips[arm] = _rate(sum(on_target(g, direction) for g in got), len(dev))
+    if not flips:
+        return {"kind": "dev_flip", "bar": None, "effect": None, "arm": None, "flips": {}, "n": len(dev),
+                "note": f"no prompt sentence of notebook 03 covers the {len(dev)} dev episode(s) of {direction}: "
+                        "no stopping bar"}
+    arm = max(flips, key=lambda a: (flips[a]["value"], a))
+    effect = flips[arm]["value"]
+    return {"kind": "dev_flip", "bar": effect / 2, "effect": effect, "arm": arm, "flips": flips, "n": len(dev),
+            "note": f"half the largest {direction} flip of the dev episodes under a prompt sentence (notebook 03's "
+                    "replies), applied to both directions"}
