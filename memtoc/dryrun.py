@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from . import finetune, models, stages
 from .agent import core as agent_core
+from .benchmark import load_benchmark
 from .config import ConfigError
 from .episodes import run_episodes
 from .gpuenv import gpu_needs
@@ -43,6 +44,7 @@ from .blockconfig import FinetuneConfig
 from .runconfig import RunConfig, expect_config
 from .vocab import BAND
 from .transfer import core as transfer
+from .transfer import forward as transfer_forward
 from .transfer import source as transfer_source
 
 BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "auto": 2.0, "float32": 4.0, "awq": 0.5625}
@@ -144,9 +146,15 @@ def transfer_requests(cfg: RunConfig, ft: FinetuneConfig, model: str, adapters_o
         n_ex = transfer_source.planned_episodes(card, tr["n_counterfactual"], tr["n_unanswerable"],
                                                 tr["reverse_train_formulations"], tr["frames"])[1]
     arms = len(tr["extra_adapters"])
-    if model in ft["models"] and (adapters_of_04 or tr["adapters_from"]):
+    full_examples = 0
+    if tr["forward_pool"] == "full" and model in ft["models"]:   # trained in 06 on the whole pool: an arm per objective
+        arms += len(tr["forward_objectives"])
+        full_examples = len(tr["forward_objectives"]) * len(transfer_forward.full_pool_examples(
+            cfg, load_benchmark(cfg.release_dir)))
+    elif tr["forward_pool"] == "fold" and model in ft["models"] and (adapters_of_04 or tr["adapters_from"]):
         arms += len(tr["forward_objectives"]) * len(tr["forward_folds"])
     out = {"episodes": episodes, "forward_arms": arms, "forward": episodes * (1 + arms),
+           "full_pool_examples": full_examples,
            "reverse_with_tool": 0, "reverse_closed_book": 0, "reverse_examples": 0, "reverse_steps": 0}
     if tr["reverse"]:
         n_forms = len(cfg.formulations)
@@ -398,10 +406,13 @@ def estimate_transfer(ctx: Context, step) -> StagePlan:
         tq = transfer_requests(p, ft, spec.name, ctx.ft_on)
         what = (f"{tq['total']} requests ({tq['episodes']} episodes x {1 + tq['forward_arms']} arm(s)"
                 + (f"; reverse {tq['reverse_with_tool']} with-tool + {tq['reverse_closed_book']} closed-book, "
-                   f"DPO {tq['reverse_steps']} step(s) of {tr['reverse_batch_size']}" if tr["reverse"] else "") + ")")
+                   f"DPO {tq['reverse_steps']} step(s) of {tr['reverse_batch_size']}" if tr["reverse"] else "")
+                + (f"; full-pool forward adapters trained here on ~{tq['full_pool_examples']} examples"
+                   if tq["full_pool_examples"] else "") + ")")
         t = gen_time(ctx, spec, tq["total"])
         if t is not None and spec.params_b is not None:
-            t += dpo_seconds(tq["reverse_steps"] * tr["reverse_batch_size"], spec.params_b)
+            t += dpo_seconds(tq["reverse_steps"] * tr["reverse_batch_size"] + tq["full_pool_examples"] * ft["epochs"],
+                             spec.params_b)
         rows.append((spec, tq["total"], t, what))
     return _per_model(plan, ctx, rows)
 

@@ -149,6 +149,10 @@ class RunPaths:
         """``adapters/<model>/<objective>/fold<k>/``."""
         return self.adapters(model_label) / objective / f"fold{fold}"
 
+    def full_pool_adapter(self, model_label: str, objective: str) -> Path:
+        """``adapters/<model>/<objective>/full/``: a forward-transfer adapter trained on the whole pool (06)."""
+        return self.adapters(model_label) / objective / "full"
+
     def external_adapter(self, model_label: str, objective: str) -> Path:
         """``adapters/<model>/<objective>/external/``: the reverse-transfer adapter (06)."""
         return self.adapters(model_label) / objective / "external"

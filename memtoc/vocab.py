@@ -134,7 +134,10 @@ STEER_BARS: tuple[SteerBar, ...] = get_args(SteerBar)
 #: an arm's layer list that means every source layer of the model's band
 BAND = "band"
 
-# notebook 06 (transfer): the presentation pools; the matcher's unmatched-answer gap
+# notebook 06 (transfer): the presentation pools; the matcher's unmatched-answer gap; the forward
+# adapters (04's fold adapters, or adapters 06 trains on the whole pool, as the paper's Table 6)
+ForwardPool = Literal["fold", "full"]
+FORWARD_POOLS: tuple[ForwardPool, ...] = get_args(ForwardPool)
 Pool = Literal["value", "passage"]
 POOLS: tuple[Pool, ...] = get_args(Pool)
 UNMATCHED_GAP = 0.03                  # the transfer block's default unmatched_gap

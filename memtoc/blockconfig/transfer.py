@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from ..config import ordered_subset
-from ..vocab import BUILTIN, FORMULATIONS, OBJECTIVES, POOLS, UNMATCHED_GAP
+from ..vocab import BUILTIN, FORMULATIONS, FORWARD_POOLS, OBJECTIVES, POOLS, UNMATCHED_GAP
 from .base import Block, Fail, as_list, is_int
 
 CLOSED_BOOK_BAND = 0.03     # the paper's pre-registered band on the closed-book accuracy change
@@ -28,6 +28,8 @@ class TransferConfig(Block):
     frames: tuple[str, ...] = POOLS
     forward_objectives: tuple[str, ...] = OBJECTIVES
     forward_folds: tuple[int, ...] = (0,)      # which of notebook 04's fold adapters to read (any: none saw this set)
+    forward_pool: str = "fold"                 # fold: 04's adapters of forward_folds; full: 06 trains one adapter per
+                                               # forward objective on the whole 575 pool (Table 6's), arm = objective
     adapters_from: Optional[str] = None        # None: this run's adapters/; else another run directory
     extra_adapters: dict = field(default_factory=dict)   # {arm name: peft adapter dir}, e.g. adapters trained on
                                                # the full 575 pool
@@ -85,11 +87,16 @@ def _forward(t: dict, fail: Fail) -> None:
     folds = t["forward_folds"]
     if not isinstance(folds, list) or any(k not in (0, 1) or isinstance(k, bool) for k in folds):
         fail("forward_folds", "must be a list drawn from [0, 1]")
+    if t["forward_pool"] not in FORWARD_POOLS:
+        fail("forward_pool", f"unknown value {t['forward_pool']!r}; valid: {', '.join(FORWARD_POOLS)}")
     if t["adapters_from"] is not None and not isinstance(t["adapters_from"], str):
         fail("adapters_from", "must be null (this run) or a run directory")
     ea = t["extra_adapters"]
     if ea is None:
         t["extra_adapters"] = ea = {}
+    if t["forward_pool"] == "full" and isinstance(ea, dict) and set(ea) & set(objs):
+        fail("extra_adapters", f"names {sorted(set(ea) & set(objs))} are the full-pool arms of forward_pool full; "
+                               "rename the extra adapters")
     if not isinstance(ea, dict) or not all(isinstance(k, str) and k and k != "untreated" and "/" not in k
                                            and isinstance(v, str) and v for k, v in ea.items()):
         fail("extra_adapters", "must be a mapping {arm name: adapter directory} (names other than 'untreated', "

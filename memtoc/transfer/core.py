@@ -16,8 +16,10 @@ Episodes (one per item × formulation × condition; MemToC's wording, ``memtoc.p
 Metrics (per arm; rates with question-cluster bootstrap intervals, ``intervals.rate_intervals``;
 adapter − untreated paired on common support, ``intervals.contrast``): see :data:`METRIC_DOC`.
 
-Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``, and any
-``extra_adapters``, e.g. adapters trained on the full 575-question pool) against the untreated model. Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
+Forward transfer: notebook 04's adapters (``adapters/<model>/<objective>/fold<k>/``), or with
+``forward_pool: full`` adapters trained here on the whole 575-question pool (``memtoc.transfer.forward``;
+arms named by objective, as Table 6), and any ``extra_adapters``, against the untreated model.
+Reverse transfer: a LoRA-DPO adapter trained on the external set only (chosen
 ``FINAL: <world-true option>``, rejected ``FINAL: <counterfactual option>``, on the value- and
 passage-frame prompts; :func:`check_no_memtoc_leak` refuses any MemToC question, gold or
 distractor text), trained with ``finetune.train_adapter`` and evaluated on MemToC with notebook 04's
@@ -37,6 +39,7 @@ closed-book answers, ``finetune.paired_deltas``).
     /models/<model>/forward/<arm>/closed_book_band    {delta, band, inside}
     /models/<model>/forward/<arm>/unmatched_gap       {frame: {untreated, treated, gap, flagged}}
     /models/<model>/forward_note  why there are no forward arms ("" when there are)
+    /models/<model>/full_pool     forward_pool full: {objective: {path, questions, folds, config_hash, resumed, steps, ...}}
     /models/<model>/reverse       {adapter, training, leak_check, n_examples, eval_questions, eval_selection,
                                    n_episodes, deltas/<metric>/<form|pooled> (finetune delta objects, with
                                    n_treated_only / n_untreated_only: the adapter is scored against its
@@ -67,6 +70,7 @@ from ..io import atomic_write_text
 from ..runconfig import RunConfig, expect_config, RunPaths
 from ..scoring import canon
 from ..selection import run_selection
+from . import forward
 from .data import POOLS, TransferItem
 from .source import load as load_dataset
 from .matcher import ABSTAIN, match_choice
@@ -413,15 +417,23 @@ def run_model(cfg: RunConfig, model: str, episodes, cf, un, bench, timing: dict[
                      "memory_right": {f: sum(1 for ff, _ in mem if ff == f) for f in forms}}
     rates_b = arm_rates(base, mem, forms, frames, cfg.transfer.n_boot, 0, cfg.alpha)
     ms["arms"]["untreated"] = {"rates": rates_b, "adapter": None}
-    # 2. forward: notebook 04's adapters
+    # 2. forward: notebook 04's fold adapters, or adapters trained here on the whole pool (forward_pool)
     adapter_root = Path(tr.adapters_from) if tr.adapters_from else run_dir
-    found = find_adapters(adapter_root, model, tr.forward_objectives, tr.forward_folds)
+    if tr.forward_pool == "full" and model not in cfg.finetune.models:
+        found = {}
+    elif tr.forward_pool == "full":
+        t1 = time.time()
+        found, ms["full_pool"] = forward.train_full_pool(cfg, model, bench, progress)
+        timing[f"{model}/full_pool_training"] = round(time.time() - t1, 1)
+    else:
+        found = find_adapters(adapter_root, model, tr.forward_objectives, tr.forward_folds)
     for arm, d in tr.extra_adapters.items():
         if not (Path(d) / "adapter_config.json").is_file():
             raise TransferError(f"transfer.extra_adapters.{arm}: {d} is not a peft adapter directory "
                                 "(no adapter_config.json)")
         found[arm] = Path(d)
-    ms["forward_note"] = ("" if found else f"no finished adapters of notebook 04 under "
+    ms["forward_note"] = ("" if found else f"{model} is not among finetune.models: no full-pool adapter is trained"
+                          if tr.forward_pool == "full" else f"no finished adapters of notebook 04 under "
                           f"{RunPaths(adapter_root).adapters(model)}/ for objectives {list(tr.forward_objectives)} "
                           f"folds {list(tr.forward_folds)}; run 04 first (finetune.enabled) for forward transfer")
     for arm, path in found.items():
@@ -443,8 +455,9 @@ def forward_arm(cfg: RunConfig, model: str, arm: str, path: Path, episodes, mem:
     tr = cfg.transfer
     agen = models.load_generator(model, adapter=path, **_gen_kwargs(cfg))
     try:
-        gen_label = (f"{model}__{arm.replace('_fold', '__fold')}" if arm not in tr.extra_adapters
-                     else f"{model}__extra__{arm}")
+        gen_label = (f"{model}__extra__{arm}" if arm in tr.extra_adapters
+                     else f"{model}__{arm}__full" if tr.forward_pool == "full"
+                     else f"{model}__{arm.replace('_fold', '__fold')}")
         treated = run_arm(agen, gen_label, arm, episodes, cfg.run_dir)
     finally:
         finetune.close_generator(agen)
