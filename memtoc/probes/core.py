@@ -42,6 +42,7 @@ from ..config import ConfigError, MemtocError, resolve_release_dir
 from ..records import arm_key
 from ..runconfig import RunConfig, expect_config, RunPaths
 from ..scoring import canon, strip_answer_label
+from ..vocab import PUBLISHED_LENS
 from ..weights import model_cache_root
 from . import corpus as C
 from . import lens as L
@@ -177,6 +178,7 @@ def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path,
     given = _for_model(pr.lens_files, lm.name, lm.spec.label)
     if given:
         where = f"probes.lens_files.{lm.name}"
+        given = LF.published(lm.spec, where) if given == PUBLISHED_LENS else given
         src = LF.resolve(given, cache_root or model_cache_root(), where)
         lens = L.load_lens(src.path)
         L.check_lens(lens, lm, where)

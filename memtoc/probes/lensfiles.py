@@ -1,5 +1,8 @@
-"""Published Jacobian lenses named in ``probes.lens_files``: a local file, a URL, or a Hugging Face
-file ``hf://<owner>/<repo>/<path>`` (``https://huggingface.co/<owner>/<repo>/resolve/main/<path>``).
+"""Published Jacobian lenses named in ``probes.lens_files``: a local file, a URL, a Hugging Face
+file ``hf://<owner>/<repo>[@<revision>]/<path>`` (``<HF_ENDPOINT>/<owner>/<repo>/resolve/<revision or
+main>/<path>``; ``HF_ENDPOINT`` defaults to https://huggingface.co), or ``published``: the model's own
+published lens (``models.ModelSpec.jacobian_lens``, Neuronpedia's release of the wikitext-fitted
+lenses for Llama-3.1-8B-Instruct, Qwen2.5-7B-Instruct and gemma-2-9b-it).
 
 A URL is downloaded once into ``<model cache>/lenses/<key>/<file name>`` (key: sha256 of the URL,
 first 16 hex digits) beside a record ``source.json`` = ``{url, sha256, bytes}``; later runs reuse the
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..io import sha256_file
+from ..models import REGISTRY
 from .lens import LensError
 
 RECORD = "source.json"
@@ -51,13 +55,24 @@ def entry_url(entry: Any, where: str) -> tuple[str, Optional[str]]:
     raise LensError(f"{where}: {entry!r}; give a path, a URL, hf://<owner>/<repo>/<path>, or {{url, sha256}}")
 
 
+def published(spec, where: str) -> str:
+    """The published lens of the model ``spec`` (``lens_files: published``)."""
+    if not spec.jacobian_lens:
+        have = sorted(s.name for s in REGISTRY.values() if s.jacobian_lens)
+        raise LensError(f"{where}: {spec.name} has no published Jacobian lens (the registry has one for "
+                        f"{', '.join(have)}); give a path, a URL or hf:// name, or leave it out to fit one")
+    return spec.jacobian_lens
+
+
 def to_url(name: str) -> Optional[str]:
     """The download URL of ``name``, None for a local path."""
     if name.startswith(HF_PREFIX):
         owner, repo, *rest = name[len(HF_PREFIX):].split("/")
         if not rest:
-            raise LensError(f"{name}: expected hf://<owner>/<repo>/<path in the repository>")
-        return f"https://huggingface.co/{owner}/{repo}/resolve/main/{'/'.join(rest)}"
+            raise LensError(f"{name}: expected hf://<owner>/<repo>[@<revision>]/<path in the repository>")
+        repo, _, rev = repo.partition("@")
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+        return f"{endpoint}/{owner}/{repo}/resolve/{rev or 'main'}/{'/'.join(rest)}"
     if name.startswith(("http://", "https://")):
         return name
     return None
