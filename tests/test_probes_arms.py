@@ -232,3 +232,30 @@ def test_paper_params_run_app_c_recipe_and_the_dry_run_counts_its_dictionaries()
     assert pr.lens_files["gemma-2-9b-it"] == "published" and "llama-3.1-8b" not in pr.lens_files
     fitted = RunConfig.of({"probes": {**pr.to_dict(), "lens_files": {}}}).probes
     assert dryrun.probes_seconds(gemma, fitted, 100) - dryrun.probes_seconds(gemma, pr, 100) > 3600
+
+
+def test_run_sae_reads_a_given_dictionary_beside_a_trained_one(tmp_path):
+    import numpy as np
+    from memtoc.probes import dictionaries as D
+    lm = tiny_lm(seed=1, layers=4)
+    order = sorted(range(10, 26), key=lambda i: f"{i}.1")
+    rows = [_episode(i, 0, (M.MEMORY, M.TOOL)[(order.index(i) // 2) % 2]) for i in range(10, 26)]
+    g = torch.Generator().manual_seed(3)
+    given = tmp_path / "gemmascope" / "layer_2"
+    given.mkdir(parents=True)
+    np.savez(given / D.GEMMASCOPE_FILE, W_enc=torch.randn(16, 24, generator=g).numpy(),
+             b_enc=np.zeros(24, np.float32), threshold=np.full(24, 0.1, np.float32),
+             W_dec=torch.randn(24, 16, generator=g).numpy(), b_dec=np.zeros(16, np.float32))
+    cfg = RunConfig.of({"max_new_tokens": 4, "model_cache_dir": str(tmp_path / "cache"), "probes": {
+        "fvu_gate": 1e9, "sae_steps": 5, "sae_prompts": 8, "sae_heldout_prompts": 2, "mine_per_label": 4,
+        "top_features": 2, "positions": ["last"], "strengths": [4], "directions": ["to_memory"],
+        "sae_files": {lm.name: {2: str(given)}}, "arms": {lm.name: [{"layers": [1, 2]}]}}})
+    _, info = corpus.load_corpus()
+    res = SR.run_sae(lm, cfg, rows, [], tmp_path, ["text " * 50], info, {}, [1, 2])
+    two, one = res["layers"]["2"], res["layers"]["1"]
+    assert two["source"] == "given" and two["layout"] == "gemmascope" and two["url"] is None
+    assert list(two["sha256"]) == [D.GEMMASCOPE_FILE] and one["source"] == "trained here"
+    assert res["dictionary"]["used"] == {1: "trained here", 2: "given"}
+    bad = RunConfig.of({"probes": {**cfg.probes.to_dict(), "sae_files": {lm.name: {1: str(given)}}}})
+    with pytest.raises(ConfigError, match=r"probes.sae_files.*\.1: .* d_in = 16|reads d_in"):
+        SR.run_sae(tiny_lm(seed=1, layers=4, d=8), bad, rows, [], tmp_path, ["text " * 50], info, {}, [1, 2])

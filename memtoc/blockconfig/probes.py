@@ -35,7 +35,8 @@ class ProbesConfig(Block):
     n_control: int = 5                             # other questions' answers per prompt
     # SAE
     sae_layers: dict = field(default_factory=dict)  # {model: [layers]}; default: the band's middle layer
-    sae_files: dict = field(default_factory=dict)   # {model: {layer: dir}} ReLU/JumpReLU/TopK (sae-lens, GemmaScope, Llama Scope layouts)
+    sae_files: dict = field(default_factory=dict)   # {model: {layer: dir | URL | hf://owner/repo[@rev]/folder}}
+                                                   # ReLU/JumpReLU/TopK (sae-lens, GemmaScope, Llama Scope layouts)
     dictionaries: dict = field(default_factory=dict)   # {model: {release, sae_id, layer}} the paper's public
                                                    # dictionaries (recorded; used when a local copy is named in
                                                    # sae_files, else one is trained)

@@ -101,18 +101,28 @@ def resolve(entry: Any, cache_root: Path, where: str) -> LensSource:
     return _checked(download(url, path, where), pin, where)
 
 
-def download(url: str, path: Path, where: str) -> LensSource:
-    """``url`` into ``path`` (through a temporary file, then one rename) and its record beside it."""
+def fetch(url: str, path: Path) -> str:
+    """``url`` into ``path`` through a temporary file, then one rename; its sha256. Raises OSError
+    (urllib's HTTPError for a missing file) and leaves no partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r, open(tmp, "wb") as f:
             shutil.copyfileobj(r, f)
-    except OSError as e:
+    except OSError:
         tmp.unlink(missing_ok=True)
-        raise LensError(f"{where}: downloading {url} failed ({e}); check the address or give a local file") from None
+        raise
     sha = sha256_file(tmp)
     os.replace(tmp, path)
+    return sha
+
+
+def download(url: str, path: Path, where: str) -> LensSource:
+    """``url`` into ``path`` and its record beside it."""
+    try:
+        sha = fetch(url, path)
+    except OSError as e:
+        raise LensError(f"{where}: downloading {url} failed ({e}); check the address or give a local file") from None
     (path.parent / RECORD).write_text(json.dumps({"url": url, "sha256": sha, "bytes": path.stat().st_size}, indent=1))
     return LensSource(path, url, sha)
 

@@ -32,6 +32,8 @@ from ..records import arm_key
 from ..runconfig import RunConfig, RunPaths
 from ..vocab import BAND, PROMPTING_ARMS
 from . import corpus as C
+from ..weights import model_cache_root
+from . import dictfiles as DF
 from . import dictionaries as D
 from . import mining as M
 from . import sae as S
@@ -137,12 +139,14 @@ def dictionaries(lm: LoadedModel, cfg: RunConfig, layers: Sequence[int], mine: l
         timing[f"sae_layer{l}_activations"] = time.time() - t1
         given = files.get(l, files.get(str(l)))
         if given:
-            sae, dcfg = D.load_sae(Path(given))
+            where = f"probes.sae_files.{lm.name}.{l}"
+            local, src = DF.resolve(given, model_cache_root(cfg.model_cache_dir), where)
+            sae, dcfg = D.load_sae(local)
             if sae.d_in != lm.d_model:
-                raise ConfigError(f"probes.sae_files.{lm.name}.{l}: {given} reads d_in = {sae.d_in}, the model's "
+                raise ConfigError(f"{where}: {given} reads d_in = {sae.d_in}, the model's "
                                   f"d_model is {lm.d_model}; name the dictionary of this model's layer {l}")
             info = {"source": "given", "file": str(given), "layout": dcfg["layout"],
-                    "architecture": sae.architecture}
+                    "architecture": sae.architecture, "url": src.get("url"), "sha256": src["files"]}
         else:
             sae, info = S.train_topk(acts, pr.sae_expansion * lm.d_model, pr.sae_k, pr.sae_steps,
                                      pr.sae_batch, pr.sae_lr, seed=cfg.seed + l)
