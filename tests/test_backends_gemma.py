@@ -1,7 +1,6 @@
 """The transformers backend on tiny random gemma-2 (attention logit soft-capping, sliding windows)
 and gemma-3 (sliding-window layers, QK-norm) configs, float32: the compact loop with the plain and
 the shared-prefix prefill gives ``model.generate``'s replies, and its logits equal an eager forward."""
-import warnings
 
 import pytest
 
