@@ -130,6 +130,9 @@ def test_dev_flip_bar_is_half_the_best_prompt_sentences_flip_of_the_same_episode
     assert ST.cell("to_memory", base, steered, 0.25, "dev_flip")["clears_bar"] is True      # flip 1/4
     assert ST.cell("to_memory", base, steered, 0.3, "dev_flip")["clears_bar"] is False
     assert ST.cell("to_memory", base, steered, 0.3, "pooled")["clears_bar"] is True         # delta kept memory 2/4
+    # a zero bar (no prompting effect on the dev set) is not cleared by an edit that moves nothing
+    assert ST.cell("to_memory", base, base, 0.0, "dev_flip")["clears_bar"] is False
+    assert ST.cell("to_memory", base, steered, 0.0, "dev_flip")["clears_bar"] is True
 
 
 def test_the_bar_reads_notebook_03s_prompt_sentences(tmp_path):

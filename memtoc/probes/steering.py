@@ -231,7 +231,7 @@ def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Opt
     """One steering cell from paired baseline (strength 0) and steered scores of the same episodes.
     ``clears_bar`` compares the bar with the change toward the target (``bar_kind`` pooled: the bar is
     half a pooled change) or with the flip rate (dev_flip: the bar is half a prompt sentence's flip of
-    the same episodes)."""
+    the same episodes); a change of zero never clears it."""
     n = len(base)
     elig = [i for i in range(n) if not on_target(base[i], direction)]
     flips = sum(on_target(steered[i], direction) for i in elig)
@@ -252,7 +252,8 @@ def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Opt
             "degeneration_parts": {k: sum(s["degeneration"][k] for s in steered)
                                    for k in ("no_final", "repetition", "schema_echo")},
             "toward_target": toward,
-            "clears_bar": None if (bar is None or versus is None) else bool(versus >= bar)}
+            # a change of zero never clears (a zero prompting effect gives a zero bar: the knob must still move)
+            "clears_bar": None if (bar is None or versus is None) else bool(versus >= bar and versus > 0)}
 
 
 def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = ("warn", "flag", "prior")
