@@ -231,6 +231,10 @@ def test_paper_params_run_app_c_recipe_and_the_dry_run_counts_its_dictionaries()
     assert dryrun.probes_seconds(gemma, pr, 100) > dryrun.probes_seconds(gemma, RunConfig.of(
         load_params(REPO_ROOT / "params" / "paper.yaml") | {"probes": {**pr.to_dict(), "arms": {}}}).probes, 100)
     assert dryrun.steering_plan(gemma, one) == (1, 1, 0)
+    # the released dictionaries cover the last-position arms' layers (Llama Scope 12-15, GemmaScope PT 23-26)
+    for model, arm in (("llama-3.1-8b-instruct", [12, 13, 14, 15]), ("gemma-2-9b-it", [23, 24, 25, 26])):
+        assert pr.arms[model][0]["layers"] == arm and set(arm) <= set(pr.sae_files[model])
+        assert all(str(v).startswith("hf://") for v in pr.sae_files[model].values())
     # the published lens is read, not fitted: no fit time for gemma, the fit for the base Llama
     assert pr.lens_files["gemma-2-9b-it"] == "published" and "llama-3.1-8b" not in pr.lens_files
     fitted = RunConfig.of({"probes": {**pr.to_dict(), "lens_files": {}}}).probes
