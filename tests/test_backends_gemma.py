@@ -146,6 +146,31 @@ def test_gemma3_sliding_window_replies_equal_generate(gemma3_dir):
     assert [r.text for r in gen.generate(prompts)] != want
 
 
+@pytest.mark.parametrize("which,attention,tail", [("gemma3", "sdpa", "steps"), ("gemma3", "sdpa", "chunk"),
+                                                  ("gemma2", "eager", "steps")])
+def test_row_prefill_on_sliding_window_layers(gemma2_dir, gemma3_dir, which, attention, tail):
+    """The row prefill in chunks of 4 under a window of 6 (gemma-3; gemma-2 with eager attention and
+    soft-capping), its last chunk stepped (the default) or in one forward: first logits within 1e-4
+    of a forward of each prompt alone, and the aligned loop's replies are ``model.generate``'s, in
+    float32, in one batch and one by one."""
+    import torch
+    d = gemma3_dir if which == "gemma3" else gemma2_dir
+    prompts = _prompts(6)
+    gen = _gen(d, row_prefill=True, prefill_chunk=4, prefill_tail=tail)
+    assert gen.sliding_window == WINDOW and gen.attention == ("eager" if which == "gemma2" else "memtoc_cpu")
+    ref, want = _reference_replies(d, gen, prompts, attention)
+    ids = gen.encode(prompts)
+    assert len({len(x) % 4 for x in ids}) >= 2                  # last chunks of different lengths
+    enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        alone = torch.stack([ref(input_ids=torch.tensor([x])).logits[0, -1] for x in ids])
+        _, got = gen._prefill_chunks(enc["input_ids"], enc["attention_mask"])
+    assert (got - alone).abs().max().item() < 1e-4
+    assert [r.text for r in gen.generate(prompts)] == want
+    gen.batch_size = 1
+    assert [r.text for r in gen.generate(prompts[:2])] == want[:2]
+
+
 def test_unsupported_architectures_fall_back_to_generate_and_say_so(gemma3_dir, caplog):
     """A generation config with a logits processor: the compact loop is not used, the generator
     logs it and records it in ``info``; replies still come (from ``model.generate``)."""

@@ -7,6 +7,7 @@ import pytest
 
 from memtoc import models
 from memtoc.backends import compact, hf, stopping
+from memtoc.backends.rowprefill import tail_order
 from memtoc.config import ConfigError
 
 
@@ -188,7 +189,8 @@ def test_a_batch_dependent_linear_kernel_is_reported(tiny_model_dir, monkeypatch
 
 
 @pytest.mark.parametrize("dtype,options", [("float32", {}), ("bfloat16", {}), ("bfloat16", {"prefill_chunk": 0}),
-                                           ("bfloat16", {"prefill_chunk": 5, "chunk_memo_mb": 0})])
+                                           ("bfloat16", {"prefill_chunk": 5, "chunk_memo_mb": 0}),
+                                           ("bfloat16", {"prefill_tail": "chunk"})])
 def test_replies_do_not_depend_on_the_batch(tiny_model_dir, tmp_path, dtype, options):
     """Both CPU defaults (float32 with the tie-break; bf16 with the row prefill in shared chunks and
     the aligned cache; also in one piece, and in chunks of 5 with nothing kept between calls): the
@@ -242,14 +244,16 @@ def test_shared_prefill_chunks_are_computed_once_and_kept(tiny_model_dir):
             _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=bad)
 
 
-@pytest.mark.parametrize("chunk", [0, 5])
-def test_the_row_prefill_computes_what_a_forward_alone_computes(tiny_model_dir, chunk):
+@pytest.mark.parametrize("chunk,tail", [(0, "steps"), (5, "steps"), (5, "chunk")])
+def test_the_row_prefill_computes_what_a_forward_alone_computes(tiny_model_dir, chunk, tail):
     """float32, where arithmetic order hardly matters: the row prefill's first logits (in one
-    piece, or in chunks of 5 after the kept keys of the chunks before) are a forward of each prompt
-    alone, and its replies with the aligned cache are those of ``model.generate``."""
+    piece, or in chunks of 5 after the kept keys of the chunks before, the last chunk stepped or in
+    one forward) are a forward of each prompt alone, and its replies with the aligned cache are
+    those of ``model.generate``."""
     import torch
     prompts = _prompts_with_shared_prefixes(8)
-    gen = _invariance_gen(tiny_model_dir, dtype="float32", row_prefill=True, prefill_chunk=chunk)
+    gen = _invariance_gen(tiny_model_dir, dtype="float32", row_prefill=True, prefill_chunk=chunk,
+                          prefill_tail=tail)
     ids = gen.encode(prompts)
     enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
     prefill = gen._prefill_chunks if chunk else gen._prefill_rows
@@ -261,6 +265,46 @@ def test_the_row_prefill_computes_what_a_forward_alone_computes(tiny_model_dir, 
     want = _fields(gen.generate(prompts))
     gen.row_prefill, gen.decode = False, "generate"
     assert _fields(gen.generate(prompts)) == want
+
+
+def test_the_stepped_last_chunk_feeds_every_row_and_names_the_cache(tiny_model_dir):
+    """``prefill_tail: steps`` runs the last chunks as one-token steps of all the rows together
+    (never one row: a lone longest tail keeps a ghost), gives the rows back in the caller's order
+    whatever their tail lengths, has its own cache identity (``chunk`` keeps the one of before),
+    and a bad value is a clear error."""
+    import torch
+    prompts = _prompts_with_shared_prefixes(8)
+    gen = _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=5)
+    assert gen.identity["decoding"]["prefill_tail"] == "steps"
+    chunked = _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_chunk=5, prefill_tail="chunk")
+    assert "prefill_tail" not in chunked.identity["decoding"]
+    ids = gen.encode(prompts)
+    tails = [len(x) - 5 * ((len(x) - 1) // 5) for x in ids]
+    assert len(set(tails)) >= 3 and tail_order([len(x) for x in ids], 5) != list(range(8))
+    enc = gen.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    rows_seen = []
+    forward = gen._forward
+
+    def spy(cache, expect, **kw):
+        rows_seen.append(kw["input_ids"].shape[0])
+        return forward(cache, expect, **kw)
+    gen._forward = spy
+    with torch.inference_mode():
+        cache, logits = gen._prefill_chunks(enc["input_ids"], enc["attention_mask"])
+    steps = rows_seen[-max(tails):]
+    assert min(steps) >= 2 and steps[0] == 8                    # every row feeds at step 0, never one row
+    gen._forward = forward
+    # row r of the cache is prompt r: its own prefill alone (a batch of two copies) gives the same bits
+    for r in (0, 5):
+        two = enc["input_ids"][[r, r]], enc["attention_mask"][[r, r]]
+        gen.forget_prefixes()                                    # its chunks computed again, alone
+        with torch.inference_mode():
+            c2, l2 = gen._prefill_chunks(*two)
+        assert torch.equal(l2[0], logits[r])
+        n = int(enc["attention_mask"][r].sum())
+        assert torch.equal(c2.layers[0].buf_k[0, :, :n], cache.layers[0].buf_k[r, :, :n])
+    with pytest.raises(ConfigError, match="prefill_tail"):
+        _invariance_gen(tiny_model_dir, dtype="bfloat16", prefill_tail="rows")
 
 
 def test_row_prefill_without_the_compact_loop_is_an_error(tiny_model_dir):

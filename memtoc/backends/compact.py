@@ -22,7 +22,7 @@ from ..config import MemtocError
 from .base import line_stop
 from .prefix import leaves_by_row, prefix_segments
 from .prefix import path as prefix_path
-from .rowprefill import RowPrefill
+from .rowprefill import RowPrefill, tail_order
 
 
 class GenerationError(MemtocError):
@@ -93,9 +93,10 @@ class CompactLayer(DynamicLayer):
             bv[:, :, :T] = value_states
             self.preload(bk, bv, T)
         else:
-            if self.end + T > self.buf_k.shape[2]:
+            aligned_step = T == 1 and self.cols is not None   # writes by column; ``end`` counts steps
+            if self.end + T > self.buf_k.shape[2] and not aligned_step:
                 raise RuntimeError("compact decode cache: capacity exceeded")  # a bug, never user input
-            if T == 1 and self.cols is not None:
+            if aligned_step:
                 rows = torch.arange(self.rows, device=self.buf_k.device)
                 self.buf_k[rows, :, self.cols] = key_states[:, :, 0]
                 self.buf_v[rows, :, self.cols] = value_states[:, :, 0]
@@ -251,6 +252,14 @@ class CompactDecoder(RowPrefill):
         solo = aligned and input_ids.shape[0] == 1
         if solo:   # row 1 = a ghost copy of row 0
             input_ids, attn = input_ids.repeat(2, 1), attn.repeat(2, 1)
+        order = None
+        if aligned and self.prefill_chunk and self.prefill_tail == "steps":
+            # the stepped last chunks want the longest first (RowPrefill._tail_steps)
+            order = tail_order(attn.sum(-1).tolist(), self.prefill_chunk)
+            if order == sorted(order):
+                order = None
+            else:
+                input_ids, attn = input_ids[order], attn[order]
         B, P = input_ids.shape
         new: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
@@ -265,6 +274,7 @@ class CompactDecoder(RowPrefill):
                 cache, logits = self._prefill_shared(input_ids, attn)
             else:
                 cache, logits = self._prefill_plain(input_ids, attn)
+            base = cache.get_seq_length()      # columns the prefill counted (a step counter when aligned)
             last_pos = attn.long().sum(-1) - 1
             # column of a token = its position + its row's padding (none in the aligned layout)
             pad = torch.zeros_like(last_pos) if aligned else P - attn.long().sum(-1)
@@ -312,9 +322,15 @@ class CompactDecoder(RowPrefill):
                                                 torch.ones((len(active), 1), dtype=torch.bool, device=valid.device))
                 else:
                     mask = valid[:, None, None, :]
-                logits = self._forward(cache, P + step + 1, input_ids=nxt[:, None], attention_mask=mask,
+                logits = self._forward(cache, base + step + 1, input_ids=nxt[:, None], attention_mask=mask,
                                        position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
-        return [(new[r], reason[r]) for r in range(1 if solo else B)]
+        rows = [(new[r], reason[r]) for r in range(B)]
+        if order is not None:
+            back = [None] * B
+            for a, r in enumerate(order):
+                back[r] = rows[a]
+            rows = back
+        return rows[:1] if solo else rows
 
     def _take_tokens(self, tokens: list[int], active: list[int], new: list[list[int]], reason: list[str],
                      done: list[bool]) -> list[int]:

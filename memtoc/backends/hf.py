@@ -118,6 +118,7 @@ from ..weights import adapter_hash, weights_hash
 from .attention import CPU_ATTENTION, attention_implementation, cpu_decode_attention, register_cpu_attention
 from .base import Generator, Reply
 from .compact import CompactDecoder, GenerationError, cache_keyword, sliding_window_of
+from .rowprefill import PREFILL_TAILS
 from .stopping import FLOAT32_TIE_MARGIN, StopCriteria, TieGuard
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class TransformersGenerator(CompactDecoder, Generator):
                  attention: str = "auto", show_progress: bool = True, decode: str = "compact",
                  share_prefix: bool = True, min_shared_tokens: int = 8, prefill_tokens: Optional[int] = None,
                  tie_margin: Optional[float] = None, row_prefill: Optional[bool] = None,
-                 prefill_chunk: int = 16, chunk_memo_mb: int = 512):
+                 prefill_chunk: int = 16, chunk_memo_mb: int = 512, prefill_tail: str = "steps"):
         import torch
 
         if num_threads:
@@ -214,6 +215,10 @@ class TransformersGenerator(CompactDecoder, Generator):
         if tie_margin is None:
             tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 else 0.0
         self._init_chunks(prefill_chunk, chunk_memo_mb)
+        if prefill_tail not in PREFILL_TAILS:
+            raise ConfigError(f"transformers backend option prefill_tail must be one of {list(PREFILL_TAILS)}, "
+                              f"got {prefill_tail!r}")
+        self.prefill_tail = prefill_tail
         if not isinstance(tie_margin, (int, float)) or isinstance(tie_margin, bool) or tie_margin < 0:
             raise ConfigError(f"transformers backend option tie_margin must be a number >= 0, got {tie_margin!r}")
         self.tie_margin = float(tie_margin)
@@ -251,6 +256,9 @@ class TransformersGenerator(CompactDecoder, Generator):
                          # only when on: the cache keys of every existing run stay as they were
                          **({"stop_at_first_line": True} if self.stop_at_first_line else {}),
                          **({"prefill": "rows", "prefill_chunk": self.prefill_chunk} if self.row_prefill else {}),
+                         # the stepped last chunk (the default since 2026-12-05); ``chunk`` keeps the key of before
+                         **({"prefill_tail": "steps"} if self.row_prefill and self.prefill_chunk
+                            and self.prefill_tail == "steps" else {}),
                          **self.policy.identity()},   # the model's penalties (memtoc.decoding), when it has any
         })
 

@@ -12,6 +12,15 @@ from __future__ import annotations
 import torch
 
 
+PREFILL_TAILS = ("steps", "chunk")
+
+
+def tail_order(lens: list[int], chunk: int) -> list[int]:
+    """Row order for :meth:`RowPrefill._tail_steps`: longest last chunk (1..``chunk`` tokens of a
+    prompt of ``lens[r]`` tokens) first, ties in the given order."""
+    return sorted(range(len(lens)), key=lambda r: (-(lens[r] - chunk * ((lens[r] - 1) // chunk)), r))
+
+
 class RowPrefill:
     """The row prefills of :class:`memtoc.backends.compact.CompactDecoder` (a mixin: it uses the
     decoder's ``_new_cache``, ``_forward`` and ``_position_masks``)."""
@@ -51,15 +60,51 @@ class RowPrefill:
         by :meth:`_chunk_chain`), so it is computed once per distinct prefix and kept
         (``chunk_memo_mb``, least recently used first out): a formulation's instruction is computed
         once for a whole run. The full chunks of one depth are computed together (rows of C tokens
-        after jC keys each: the same shapes for every row, no padding); the last chunk of each row
-        alone. What a row gets then does not depend on the batch, as long as a row's result does not
-        depend on the other rows of the same shapes (``linear`` at >= 2 rows is checked at load;
-        attention is tested end to end)."""
+        after jC keys each: the same shapes for every row, no padding). The last chunk (``prefill_tail``):
+        ``steps`` (the default) feeds its tokens one at a time, as decode steps of the aligned cache
+        for all the rows together (:meth:`_tail_steps`); ``chunk`` runs it as one forward per row
+        (one model call per prompt: on 64 bench prompts a quarter of the prefill's time). What a row
+        gets then does not depend on the batch, as long as a row's result does not depend on the
+        other rows of the same shapes (``linear`` at >= 2 rows is checked at load; attention is
+        tested end to end)."""
         B, P = input_ids.shape
         C, dev, stats = self.prefill_chunk, input_ids.device, self.decode_stats
         lens = attn.sum(-1).tolist()
         ids = [input_ids[r, P - n:].tolist() for r, n in enumerate(lens)]
         chains = [self._chunk_chain(x, (n - 1) // C) for x, n in zip(ids, lens)]
+        held = self._full_chunks(chains, dev)
+        if self.prefill_tail == "steps":
+            order = tail_order(lens, C)
+            if order == list(range(B)):
+                return self._tail_steps(ids, chains, held, P)
+            cache, logits = self._tail_steps([ids[r] for r in order], [chains[r] for r in order], held, P)
+            back = torch.tensor(sorted(range(B), key=order.__getitem__), device=dev)
+            for layer in cache.layers:     # rows back in the caller's order (the decode loop sorts first)
+                layer.preload(layer.buf_k.index_select(0, back), layer.buf_v.index_select(0, back), layer.end)
+            return cache, logits[back]
+        cap = P + self.max_new_tokens
+        big = None
+        logits = []
+        for r, (x, chain) in enumerate(zip(ids, chains)):
+            start = len(chain) * C
+            store, last = self._run_chunk(held, [chain], torch.tensor([x[start:]], device=dev), logits=True)
+            if big is None:   # layers, 2, rows, heads, columns, dim
+                big = store.new_zeros(store.shape[:2] + (B, store.shape[3], cap, store.shape[5]))
+            big[:, :, r, :, :len(x)] = store[:, :, 0]
+            logits.append(last[0])
+            stats["prompt_tokens_computed"] += len(x) - start
+            stats["prefill_calls"] += 1
+        cache = self._new_cache(cap)
+        for layer, kv in zip(cache.layers, big):
+            layer.preload(kv[0], kv[1], P)
+        return cache, torch.stack(logits)
+
+    def _full_chunks(self, chains: list[list[int]], dev) -> dict:
+        """The keys / values of every full chunk of ``chains`` (name -> (layers, 2, heads, C, dim)),
+        from the memo or computed, one depth at a time. (Keeping each chunk's whole prefix instead,
+        one copy per row's past, was measured 1.5x slower on the bench prompts: the larger copies
+        cost more than the fewer calls saved.)"""
+        C, stats = self.prefill_chunk, self.decode_stats
         held: dict = {}     # every chunk this call uses, whatever the memo evicts meanwhile
         for j in range(max(len(c) for c in chains)):
             level: dict = {}
@@ -83,22 +128,72 @@ class RowPrefill:
                     self._memo_put(chain[-1], held[chain[-1]])
                 stats["prompt_tokens_computed"] += len(part) * C
                 stats["prefill_calls"] += 1
+        return held
+
+    def _tail_steps(self, ids: list[list[int]], chains: list[list[int]], held: dict, P: int):
+        """(cache, first logits) of prompts ``ids`` whose full chunks (``chains``) are in ``held``:
+        each row's full chunks copied into an aligned cache (columns 0..jC-1), then its last 1..C
+        tokens fed one per step, every row at its own column, as the decode loop's steps are
+        (:meth:`memtoc.backends.compact.CompactDecoder._decode_compact`). The rows come sorted by
+        tail length, longest first (:func:`tail_order`), so the rows still feeding are always the
+        first k of the cache; a row whose tail is done while fewer than two rows feed goes on as a
+        ghost, feeding its last token again at its last column (the same keys / values and logits
+        again: no step runs on one row). Returns the cache with ``end`` = widest full part + longest
+        tail (a step counter; the aligned decode writes by column)."""
+        C, stats = self.prefill_chunk, self.decode_stats
+        B = len(ids)
+        dev = self.model.device
+        starts = [len(c) * C for c in chains]
+        tails = [x[s:] for x, s in zip(ids, starts)]
+        T = [len(t) for t in tails]
+        if B < 2 or any(a < b for a, b in zip(T, T[1:])):
+            raise ValueError("_tail_steps wants two rows or more, longest tail first")  # a bug, never input
         cap = P + self.max_new_tokens
-        big = None
-        logits = []
-        for r, (x, chain) in enumerate(zip(ids, chains)):
-            start = len(chain) * C
-            store, last = self._run_chunk(held, [chain], torch.tensor([x[start:]], device=dev), logits=True)
-            if big is None:   # layers, 2, rows, heads, columns, dim
-                big = store.new_zeros(store.shape[:2] + (B, store.shape[3], cap, store.shape[5]))
-            big[:, :, r, :, :len(x)] = store[:, :, 0]
-            logits.append(last[0])
-            stats["prompt_tokens_computed"] += len(x) - start
-            stats["prefill_calls"] += 1
+        layers, heads, dim = self._kv_dims()
+        big = torch.zeros((layers, 2, B, heads, cap, dim), dtype=self.torch_dtype, device=dev)
+        for r, chain in enumerate(chains):
+            for i, cid in enumerate(chain):
+                big[:, :, r, :, i * C:(i + 1) * C] = held[cid]
+        F = max(starts)
         cache = self._new_cache(cap)
         for layer, kv in zip(cache.layers, big):
-            layer.preload(kv[0], kv[1], P)
-        return cache, torch.stack(logits)
+            layer.preload(kv[0], kv[1], F)
+        valid = torch.zeros((B, cap), dtype=torch.bool, device=dev)
+        for r, s in enumerate(starts):
+            valid[r, :s] = True
+        cols = torch.arange(cap, device=dev)
+        first: list = [None] * B
+        for step in range(T[0]):
+            k = max(2, sum(t > step for t in T))
+            at = [min(step, T[r] - 1) for r in range(k)]
+            pos = torch.tensor([starts[r] + a for r, a in enumerate(at)], device=dev)
+            toks = torch.tensor([[tails[r][a]] for r, a in enumerate(at)], device=dev)
+            valid[torch.arange(k, device=dev), pos] = True
+            for layer in cache.layers:
+                layer.rows, layer.cols = k, pos
+            if self.sliding_window or self.attention == "eager":
+                mask = self._position_masks(valid[:k], cols[None, :].expand(k, -1), pos[:, None],
+                                            torch.ones((k, 1), dtype=torch.bool, device=dev))
+            else:
+                mask = valid[:k, None, None, :]
+            out = self._forward(cache, F + step + 1, input_ids=toks, attention_mask=mask,
+                                position_ids=pos[:, None], logits_to_keep=1)
+            for r in range(k):
+                if T[r] == step + 1:
+                    first[r] = out.logits[r, -1]
+            stats["prefill_calls"] += 1
+        stats["prompt_tokens_computed"] += sum(T)
+        for layer in cache.layers:
+            layer.rows, layer.cols = B, None
+            layer._views()
+        return cache, torch.stack(first)
+
+    def _kv_dims(self) -> tuple[int, int, int]:
+        """(layers, key / value heads, head dim) of the model's cache."""
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers, heads, dim
 
     def _chunk_chain(self, tokens: list[int], n: int) -> list[int]:
         """Names of the first ``n`` chunks of a prompt: chunk j's name stands for the prompt's first
