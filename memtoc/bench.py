@@ -31,7 +31,9 @@ generation
     says how many prompt tokens it really ran, while the bound counts every prompt token, as
     DESIGN.md defines it. ``--no-share-prefix`` turns the sharing off; ``--compare-share`` times one
     more batched run without it and counts the replies that differ (bf16 rounding of the different
-    matrix shapes).
+    matrix shapes). ``--compare-tail`` (row prefill only) times one more batched run with the other
+    ``prefill_tail`` (the prompts' last chunks as one-token steps, or one forward per prompt) and
+    counts the replies that differ.
 
 stats
     ``memtoc.bench.stats_benchmark()`` (bootstrap and sign-flip timings), printed.
@@ -133,7 +135,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                      model: str = "smollm2-135m-instruct", check_stop: bool = False,
                      loop_n: Optional[int] = None, release_dir: Optional[str] = None,
                      decode: str = "compact", compare_decode: bool = False, share_prefix: bool = True,
-                     compare_share: bool = False, repeats: int = 3) -> dict[str, Any]:
+                     compare_share: bool = False, repeats: int = 3, compare_tail: bool = False) -> dict[str, Any]:
     import torch
 
 
@@ -188,7 +190,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     }
     out.update(_comparison_runs(gen, prompts, batched, t_batch, s_loop, bound, decode=decode,
                                 share_prefix=share_prefix, compare_share=compare_share,
-                                compare_decode=compare_decode, check_stop=check_stop))
+                                compare_decode=compare_decode, check_stop=check_stop, compare_tail=compare_tail))
     gen.close()
     return out
 
@@ -211,11 +213,21 @@ def _time_batched(gen, prompts: list[str], repeats: int) -> tuple[list, list[flo
 
 def _comparison_runs(gen, prompts: list[str], batched: list, t_batch: float, s_loop: float, bound: float, *,
                      decode: str, share_prefix: bool, compare_share: bool, compare_decode: bool,
-                     check_stop: bool) -> dict[str, Any]:
+                     check_stop: bool, compare_tail: bool = False) -> dict[str, Any]:
     """The optional extra batched runs of :func:`bench_generation` (the other prefix setting, the
-    other decode loop, no FINAL-line stop) and how their replies compare with ``batched``."""
+    other decode loop, the other last-chunk scheme, no FINAL-line stop) and how their replies
+    compare with ``batched``."""
     n = len(prompts)
     out: dict[str, Any] = {}
+    tail = getattr(gen, "prefill_tail", None)
+    if compare_tail and decode == "compact" and getattr(gen, "row_prefill", False) and gen.prefill_chunk:
+        other = "chunk" if tail == "steps" else "steps"
+        alt, t_alt = _timed(gen, prompts, prefill_tail=other)
+        out.update({
+            "prefill_tail": tail, f"s_per_episode_batched_tail_{other}": t_alt / n,
+            f"tail_{other}_over_{tail}": (t_alt / n) / (t_batch / n),
+            "replies_differing_between_tails": sum(a.text != b.text for a, b in zip(batched, alt)),
+        })
     if compare_share and decode == "compact":
         alt, t_alt = _timed(gen, prompts, share_prefix=not share_prefix)
         tag = "no_share" if share_prefix else "share"
@@ -296,6 +308,12 @@ def _print_generation(r: dict[str, Any]) -> None:
         if k in r:
             print(f"  batched, {k.rsplit('_', 1)[1]} loop: {r[k]:.3f} s/episode; replies differing between the "
                   f"decode loops: {r['replies_differing_between_decode_loops']} of {r['n_episodes']}")
+    for other in ("chunk", "steps"):
+        if f"s_per_episode_batched_tail_{other}" in r:
+            ratio = r[f"tail_{other}_over_{r['prefill_tail']}"]
+            print(f"  batched, last chunk '{other}': {r[f's_per_episode_batched_tail_{other}']:.3f} s/episode "
+                  f"({ratio:.2f}x the '{r['prefill_tail']}' time); replies "
+                  f"differing: {r['replies_differing_between_tails']} of {r['n_episodes']}")
     if "final_stop_speedup" in r:
         print(f"  FINAL-line stop : {r['final_stop_speedup']:.2f}x faster than running to EOS/max "
               f"({r['new_tokens_per_episode_no_final_stop']:.1f} new tokens); extracted answer changed in "
@@ -325,6 +343,8 @@ def cli(argv: list[str]) -> int:
                    help="compute every prompt token of a batch (no shared-prefix prefill)")
     g.add_argument("--compare-share", action="store_true",
                    help="also time the batched run with the other prefix setting and count differing replies")
+    g.add_argument("--compare-tail", action="store_true",
+                   help="also time the batched run with the other prefill_tail (row prefill) and count differing replies")
     g.add_argument("--release", default=None)
     s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.bench.stats_benchmark)")
     s.add_argument("--json", action="store_true")
@@ -339,7 +359,7 @@ def cli(argv: list[str]) -> int:
         r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release,
                              decode=a.decode, compare_decode=a.compare_decode,
                              share_prefix=not a.no_share_prefix, compare_share=a.compare_share,
-                             repeats=max(1, a.repeats))
+                             repeats=max(1, a.repeats), compare_tail=a.compare_tail)
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
     r = stats_benchmark()

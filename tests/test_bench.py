@@ -40,10 +40,13 @@ def test_cli_rejects_bad_batch_size():
 @pytest.mark.integration
 def test_bench_generation_reports_every_field_on_a_small_run():
     """The real benchmark on 4 prompts (not timed as a test: only its fields and their consistency)."""
-    r = bench.bench_generation(n=4, loop_n=2, max_new_tokens=8, repeats=2, compare_share=True)
+    r = bench.bench_generation(n=4, loop_n=2, max_new_tokens=8, repeats=2, compare_share=True, compare_tail=True)
     for k in ("s_per_episode_loop", "s_per_episode_batched", "speedup_vs_loop", "compute_bound_s_per_episode",
               "bound_ratio", "s_per_episode_batched_no_share", "replies_differing_share_vs_no_share"):
         assert k in r
+    if r["dtype"] == "bfloat16":        # the row prefill (CPUs with bf16 instructions): both last-chunk schemes
+        assert r["prefill_tail"] == "steps" and 0 <= r["replies_differing_between_tails"] <= 4
+        assert r["s_per_episode_batched_tail_chunk"] > 0
     assert len(r["s_per_episode_batched_repeats"]) == 2
     assert sorted(r["s_per_episode_batched_repeats"])[0] <= r["s_per_episode_batched"]
     assert r["speedup_vs_loop"] == pytest.approx(r["s_per_episode_loop"] / r["s_per_episode_batched"])
