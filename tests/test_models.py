@@ -109,6 +109,21 @@ def test_adapter_loads_and_changes_identity(smol_path, tmp_path):
     assert g.key("hi") != plain.key("hi")
     # a fresh LoRA (B = 0) leaves the model unchanged: same greedy reply
     assert g.generate(["Say hi."])[0].text == plain.generate(["Say hi."])[0].text
+    # ... and the same kernels: the last-position logits of a batch are the same bits as the base
+    # model's (a merged model whose weights peft left frozen took another, slower lm_head path)
+    x = torch.tensor([plain.encode(["Say hi.", "Name a city.", "Count to three."])[k][:4] for k in range(3)])
+    with torch.inference_mode():
+        got = g.model(input_ids=x, logits_to_keep=1).logits
+        want = plain.model(input_ids=x, logits_to_keep=1).logits
+    assert g.torch_dtype == plain.torch_dtype and torch.equal(got, want)
+    # the lm_head runs as one matrix product: its weight is not copied once per row of the batch
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        g.model(input_ids=x, logits_to_keep=1)
+    vocab = g.model.lm_head.weight.shape[0]
+    copies = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
+              if e.key == "aten::copy_" and any(vocab in shape for shape in e.input_shapes if shape)]
+    assert not copies, copies
 
 
 @pytest.mark.parametrize("name,hub,fmt", [("qwen2.5-3b-instruct", "Qwen/Qwen2.5-3B-Instruct", "hermes"),
