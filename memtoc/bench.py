@@ -135,13 +135,14 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                      model: str = "smollm2-135m-instruct", check_stop: bool = False,
                      loop_n: Optional[int] = None, release_dir: Optional[str] = None,
                      decode: str = "compact", compare_decode: bool = False, share_prefix: bool = True,
-                     compare_share: bool = False, repeats: int = 3, compare_tail: bool = False) -> dict[str, Any]:
+                     compare_share: bool = False, repeats: int = 3, compare_tail: bool = False,
+                     backend_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     import torch
 
 
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
-                         show_progress=False, decode=decode, share_prefix=share_prefix)
+                         show_progress=False, decode=decode, share_prefix=share_prefix, **(backend_options or {}))
     total_params, non_emb = param_counts(gen.model)
     rate_dtype = matmul_dtype(gen.torch_dtype)  # the bound at the rate of the dtype actually used
     rate = matmul_rate(rate_dtype)
@@ -187,6 +188,7 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
         "decode": decode, "decode_stats_batched": decode_stats, "share_prefix": share_prefix,
         "prompt_tokens_computed_per_episode_batched": decode_stats["prompt_tokens_computed"] / n,
         "tie_margin": getattr(gen, "tie_margin", None), "matmul_rate_dtype": rate_dtype,
+        "max_batch": getattr(gen, "max_batch", None), "token_budget": getattr(gen, "token_budget", None),
     }
     out.update(_comparison_runs(gen, prompts, batched, t_batch, s_loop, bound, decode=decode,
                                 share_prefix=share_prefix, compare_share=compare_share,
@@ -345,6 +347,8 @@ def cli(argv: list[str]) -> int:
                    help="also time the batched run with the other prefix setting and count differing replies")
     g.add_argument("--compare-tail", action="store_true",
                    help="also time the batched run with the other prefill_tail (row prefill) and count differing replies")
+    g.add_argument("--max-batch", type=int, default=None, help="transformers backend option max_batch")
+    g.add_argument("--token-budget", type=int, default=None, help="transformers backend option token_budget")
     g.add_argument("--release", default=None)
     s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.bench.stats_benchmark)")
     s.add_argument("--json", action="store_true")
@@ -359,7 +363,9 @@ def cli(argv: list[str]) -> int:
         r = bench_generation(a.n, bs, a.max_new_tokens, a.dtype, a.model, a.check_stop, a.loop_n, a.release,
                              decode=a.decode, compare_decode=a.compare_decode,
                              share_prefix=not a.no_share_prefix, compare_share=a.compare_share,
-                             repeats=max(1, a.repeats), compare_tail=a.compare_tail)
+                             repeats=max(1, a.repeats), compare_tail=a.compare_tail,
+                             backend_options={k: v for k, v in (("max_batch", a.max_batch),
+                                                                ("token_budget", a.token_budget)) if v})
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
     r = stats_benchmark()

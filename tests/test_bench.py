@@ -40,7 +40,9 @@ def test_cli_rejects_bad_batch_size():
 @pytest.mark.integration
 def test_bench_generation_reports_every_field_on_a_small_run():
     """The real benchmark on 4 prompts (not timed as a test: only its fields and their consistency)."""
-    r = bench.bench_generation(n=4, loop_n=2, max_new_tokens=8, repeats=2, compare_share=True, compare_tail=True)
+    r = bench.bench_generation(n=4, loop_n=2, max_new_tokens=8, repeats=2, compare_share=True, compare_tail=True,
+                               backend_options={"max_batch": 3})
+    assert r["max_batch"] == 3 and max(r["batch_sizes"]) <= 3 and sum(r["batch_sizes"]) == 4
     for k in ("s_per_episode_loop", "s_per_episode_batched", "speedup_vs_loop", "compute_bound_s_per_episode",
               "bound_ratio", "s_per_episode_batched_no_share", "replies_differing_share_vs_no_share"):
         assert k in r
