@@ -238,6 +238,21 @@ class CompactDecoder(RowPrefill):
 
 
     def _decode_compact(self, input_ids, attn) -> list[tuple[list[int], str]]:
+        """Greedy replies of a left-padded batch by :meth:`_decode_rows`, the rows first put in the
+        order the stepped last chunks want (longest last chunk first, :func:`tail_order`) and the
+        replies given back in the caller's order."""
+        order = None
+        if self.row_prefill and self.prefill_chunk and self.prefill_tail == "steps":
+            order = tail_order(attn.sum(-1).tolist(), self.prefill_chunk)
+        if order is None or order == sorted(order):
+            return self._decode_rows(input_ids, attn)
+        rows = self._decode_rows(input_ids[order], attn[order])
+        back: list = [None] * len(order)
+        for a, r in enumerate(order):
+            back[r] = rows[a]
+        return back
+
+    def _decode_rows(self, input_ids, attn) -> list[tuple[list[int], str]]:
         """Greedy decoding that drops finished rows after every step (see the module docstring).
 
         Mirrors ``generate``: position ids = cumulative sum of the mask - 1 (0 on padding), float32
@@ -252,14 +267,6 @@ class CompactDecoder(RowPrefill):
         solo = aligned and input_ids.shape[0] == 1
         if solo:   # row 1 = a ghost copy of row 0
             input_ids, attn = input_ids.repeat(2, 1), attn.repeat(2, 1)
-        order = None
-        if aligned and self.prefill_chunk and self.prefill_tail == "steps":
-            # the stepped last chunks want the longest first (RowPrefill._tail_steps)
-            order = tail_order(attn.sum(-1).tolist(), self.prefill_chunk)
-            if order == sorted(order):
-                order = None
-            else:
-                input_ids, attn = input_ids[order], attn[order]
         B, P = input_ids.shape
         new: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
@@ -324,13 +331,7 @@ class CompactDecoder(RowPrefill):
                     mask = valid[:, None, None, :]
                 logits = self._forward(cache, base + step + 1, input_ids=nxt[:, None], attention_mask=mask,
                                        position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
-        rows = [(new[r], reason[r]) for r in range(B)]
-        if order is not None:
-            back = [None] * B
-            for a, r in enumerate(order):
-                back[r] = rows[a]
-            rows = back
-        return rows[:1] if solo else rows
+        return [(new[r], reason[r]) for r in range(1 if solo else B)]
 
     def _take_tokens(self, tokens: list[int], active: list[int], new: list[list[int]], reason: list[str],
                      done: list[bool]) -> list[int]:

@@ -217,11 +217,7 @@ class TransformersGenerator(CompactDecoder, Generator):
         self.row_prefill = cpu_bf16 and decode == "compact" if row_prefill is None else bool(row_prefill)
         if tie_margin is None:
             tie_margin = FLOAT32_TIE_MARGIN if self.torch_dtype == torch.float32 else 0.0
-        self._init_chunks(prefill_chunk, chunk_memo_mb)
-        if prefill_tail not in PREFILL_TAILS:
-            raise ConfigError(f"transformers backend option prefill_tail must be one of {list(PREFILL_TAILS)}, "
-                              f"got {prefill_tail!r}")
-        self.prefill_tail = prefill_tail
+        self._init_chunks(prefill_chunk, chunk_memo_mb, prefill_tail)
         if not isinstance(tie_margin, (int, float)) or isinstance(tie_margin, bool) or tie_margin < 0:
             raise ConfigError(f"transformers backend option tie_margin must be a number >= 0, got {tie_margin!r}")
         self.tie_margin = float(tie_margin)
@@ -282,11 +278,15 @@ class TransformersGenerator(CompactDecoder, Generator):
                             "replies can depend on the batch; dtype float32 keeps them invariant",
                             self.spec.name, differ)
 
-    def _init_chunks(self, prefill_chunk: int, chunk_memo_mb: int) -> None:
+    def _init_chunks(self, prefill_chunk: int, chunk_memo_mb: int, prefill_tail: str = "steps") -> None:
         """The chunked row prefill's settings and its kept chunks (memtoc.backends.rowprefill)."""
         for name, value in (("prefill_chunk", prefill_chunk), ("chunk_memo_mb", chunk_memo_mb)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"transformers backend option {name} must be an integer >= 0, got {value!r}")
+        if prefill_tail not in PREFILL_TAILS:
+            raise ConfigError(f"transformers backend option prefill_tail must be one of {list(PREFILL_TAILS)}, "
+                              f"got {prefill_tail!r}")
+        self.prefill_tail = prefill_tail
         self.prefill_chunk = prefill_chunk     # 0: each prompt's prefill in one forward
         self.chunk_memo_mb = chunk_memo_mb
         self._chunk_memo: OrderedDict = OrderedDict()   # chunk name -> its keys / values

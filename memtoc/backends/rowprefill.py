@@ -5,7 +5,7 @@ so that what a row gets does not depend on the batch (the bf16 CPU scheme of
 :meth:`RowPrefill._prefill_rows` runs each prompt in one forward; :meth:`RowPrefill._prefill_chunks`
 (``prefill_chunk`` > 0, the default) cuts it at every multiple of C tokens and computes each distinct
 chunk once. Both write the *aligned* layout of
-:meth:`memtoc.backends.compact.CompactDecoder._decode_compact` (row r's prompt in columns 0..n_r-1).
+:meth:`memtoc.backends.compact.CompactDecoder._decode_rows` (row r's prompt in columns 0..n_r-1).
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class RowPrefill:
         """(cache, first logits) of prompts ``ids`` whose full chunks (``chains``) are in ``held``:
         each row's full chunks copied into an aligned cache (columns 0..jC-1), then its last 1..C
         tokens fed one per step, every row at its own column, as the decode loop's steps are
-        (:meth:`memtoc.backends.compact.CompactDecoder._decode_compact`). The rows come sorted by
+        (:meth:`memtoc.backends.compact.CompactDecoder._decode_rows`). The rows come sorted by
         tail length, longest first (:func:`tail_order`), so the rows still feeding are always the
         first k of the cache; a row whose tail is done while fewer than two rows feed goes on as a
         ghost, feeding its last token again at its last column (the same keys / values and logits
