@@ -215,7 +215,8 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
     else:
         cfg = LlamaConfig(**LLAMA_8B)
     ft = RunConfig.of({"seed": 0, "formulations": ["reference"], "finetune": {"max_steps": steps}}).finetune
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft["train_dtype"]]
+    dtype_name = finetune.train_dtype(ft, device.startswith("cuda"))
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     cfg._attn_implementation = models.attention_implementation(cfg, "auto", device, training=True)
     if device.startswith("cuda"):
@@ -241,7 +242,7 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
         "trainable_params_m": round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2),
         "lora": {k: ft[k] for k in ("lora_r", "lora_alpha", "lora_dropout", "target_modules")},
         "dpo_beta": ft["dpo_beta"], "batch_size": ft["batch_size"], "grad_accum": ft["grad_accum"],
-        "train_dtype": ft["train_dtype"], "gradient_checkpointing": ft["gradient_checkpointing"],
+        "train_dtype": dtype_name, "gradient_checkpointing": ft["gradient_checkpointing"],
         "attention": cfg._attn_implementation, "prompt_tokens": len(tokenizer(rows[0]["prompt"])["input_ids"]),
         "steps": n, "seconds_per_step": round(seconds / n, 3) if n else None, "build_seconds": round(t_build, 1),
         "loss": loss,

@@ -12,7 +12,9 @@ driver (``driver_version()`` asks ``nvidia-smi``); ``memtoc gpucheck --env`` pri
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -159,3 +161,62 @@ def release_memory(device: Optional[str]) -> None:
 
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------------
+# the CPU's kind: which dtype a CPU computes fast
+
+#: Overrides the bf16 detection ("1": treat the CPU as having bf16 instructions, "0": as lacking
+#: them). With ``ATEN_CPU_CAPABILITY=avx2`` and ``ONEDNN_MAX_CPU_ISA=AVX2`` (torch's and oneDNN's own
+#: switches) it lets an AVX-512 BF16 machine run memtoc's AVX2 path (docs/measurements.md).
+CPU_BF16_ENV = "MEMTOC_CPU_BF16"
+
+#: Measured on a 2-core AVX2 CPU without bf16 instructions (torch 2.13, SmolLM2-135M, forward + backward
+#: of 4 x 200 tokens): 5 s in float32, 159 s in bfloat16 (emulated).
+EMULATED_BF16_COST = "about 30x the float32 time (a SmolLM2-135M training step: 159 s against 5 s)"
+
+_WARNED: set[str] = set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): elsewhere bf16 is
+    emulated and much slower than float32. ``$MEMTOC_CPU_BF16`` (0 or 1) overrides the detection."""
+    forced = os.environ.get(CPU_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ConfigError(f"${CPU_BF16_ENV} must be 0 or 1 (or unset: detect), got {forced!r}")
+    import torch
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
+def cpu_kind() -> dict[str, Any]:
+    """The CPU facts that decide memtoc's CPU defaults and timings: torch's kernel level (``AVX2``,
+    ``AVX512``, ...; ``$ATEN_CPU_CAPABILITY`` lowers it), bf16 in hardware, and a short name
+    (``avx512-bf16``, ``avx512``, ``avx2``, ...) to print beside a timing."""
+    import torch
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    bf16 = cpu_has_native_bf16()
+    name = capability.lower().replace("_", "-")
+    return {"capability": capability, "native_bf16": bf16, "name": f"{name}-bf16" if bf16 else name,
+            "bf16_forced": os.environ.get(CPU_BF16_ENV) or None}
+
+
+def auto_dtype_name(cuda: bool) -> str:
+    """What ``auto`` means for a computation on this machine: bfloat16 on a GPU (float16 where the GPU
+    has no bf16) or on a CPU with bf16 instructions, float32 on any other CPU."""
+    if cuda:
+        import torch
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def warn_emulated_bf16(dtype: str, cuda: bool, what: str) -> None:
+    """Warn once per ``what`` when bfloat16 is asked for on a CPU that emulates it."""
+    if dtype != "bfloat16" or cuda or what in _WARNED or cpu_has_native_bf16():
+        return
+    _WARNED.add(what)
+    warnings.warn(f"{what}: bfloat16 on a CPU without bf16 instructions is emulated, {EMULATED_BF16_COST}; "
+                  "`auto` picks float32 here", stacklevel=3)

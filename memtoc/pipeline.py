@@ -55,7 +55,7 @@ from . import models, progress, runlock
 from . import stages as stages_mod
 from .benchmark import load_benchmark
 from .io import plain, sha256_file, sha256_json, write_json
-from .gpuenv import check_gpu
+from .gpuenv import cpu_kind, check_gpu
 from .servers import check_servers
 from .config import REPO_ROOT, ConfigError, MemtocError, resolve_release, resolve_release_dir
 from .runconfig import RunConfig, RunPaths, expect_config
@@ -224,6 +224,7 @@ def provenance(cfg: RunConfig) -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_kind(),
         "hostname_hash": hashlib.sha256(platform.node().encode()).hexdigest()[:12],
         "release": rel_info,
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],

@@ -90,9 +90,14 @@ def _stamp(cfg: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     return {"run": run_dir.name, "commit": git.get("commit"), "dirty": git.get("dirty"),
             "started": cfg.get("started"), "finished": cfg.get("finished"), "seconds": cfg.get("seconds"),
             "notebook_seconds": {n.get("notebook"): n.get("seconds") for n in cfg.get("notebooks", [])},
-            "machine": {k: prov.get(k) for k in ("platform", "machine", "cpu_count", "python")},
+            "machine": {k: prov.get(k) for k in ("platform", "machine", "cpu_count", "cpu", "python")},
             "packages": {k: v for k, v in (prov.get("packages") or {}).items() if v},
             "command": " ".join(prov.get("command") or []), "status": cfg.get("status")}
+
+
+def _cpu_text(cpu: Any) -> str:
+    """The CPU kind as the README names it (" of kind avx2"), or "" for a run that did not record it."""
+    return f" of kind {cpu['name']}" if isinstance(cpu, dict) and cpu.get("name") else ""
 
 
 def _readme(stamp: dict[str, Any]) -> str:
@@ -108,7 +113,8 @@ def _readme(stamp: dict[str, Any]) -> str:
         "",
         f"- commit `{stamp['commit']}`{' (with uncommitted changes)' if stamp.get('dirty') else ''}; "
         f"finished {stamp['finished']}",
-        f"- machine: {m.get('platform')}, {m.get('cpu_count')} CPU cores, Python {m.get('python')}; no GPU",
+        f"- machine: {m.get('platform')}, {m.get('cpu_count')} CPU cores{_cpu_text(m.get('cpu'))}, "
+        f"Python {m.get('python')}; no GPU",
         f"- duration: {secs / 60:.1f} min ({per})",
         "- models: SmolLM2-135M-Instruct and gemma-3-270m base (tiny models: the numbers show the pipeline "
         "working, not how 7–9B models behave)",

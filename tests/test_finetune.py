@@ -147,9 +147,11 @@ def test_training_config_is_shared_by_objectives():
     assert h_sft == F.config_hash("sft", dataclasses.replace(ft, enabled=False, eval_questions_per_fold=3), "w", rows)
 
 
-def test_adapter_config_hashes_are_unchanged_by_the_typed_block():
+def test_adapter_config_hashes_are_unchanged_by_the_typed_block(monkeypatch):
     """Finished adapters resume by config hash: the typed block hashes as the resolved dict did
-    (values recorded from the dict-based validator)."""
+    (values recorded from the dict-based validator, where the training dtype was bfloat16: ``auto``
+    resolves to it on a CPU with bf16 instructions, which MEMTOC_CPU_BF16=1 stands for here)."""
+    monkeypatch.setenv("MEMTOC_CPU_BF16", "1")
     ft = RunConfig.of(load_params(None)).finetune
     assert F.config_hash("dpo", ft, "w", [{"prompt": "p"}]) == "d5fea04ad5c7c37c"
     ft2 = RunConfig.of(load_params(None, overrides={"finetune": {"learning_rate": 1e-4, "max_steps": 3,

@@ -222,6 +222,16 @@ class CompactDecoder(RowPrefill):
         masks = {k: self._mask_value(m[:, None]) for k, m in masks.items()}
         return masks if self.sliding_window else masks["full_attention"]
 
+    def _step_mask(self, valid, key_pos, q_pos):
+        """The mask of a one-token step (the decode loop's, the stepped last chunks'): the 4-D
+        boolean ``valid`` (rows, columns) as wide as the cache buffer, or, for sliding-window models
+        and eager attention, the position masks of :meth:`_position_masks` (``key_pos``: each
+        column's position; ``q_pos``: each row's position this step)."""
+        if self.sliding_window or self.attention == "eager":
+            return self._position_masks(valid, key_pos, q_pos[:, None],
+                                        torch.ones((len(q_pos), 1), dtype=torch.bool, device=valid.device))
+        return valid[:, None, None, :]
+
     def _forward(self, cache, expect: int, **kw):
         """``model(...)`` with ``cache`` under the model's own keyword; checks that the cache now
         holds ``expect`` columns (an older transformers that ignores the keyword would otherwise
@@ -324,11 +334,7 @@ class CompactDecoder(RowPrefill):
                         layer.cols = last_pos
                 else:
                     valid[:, P + step] = True
-                if self.sliding_window or self.attention == "eager":
-                    mask = self._position_masks(valid, cols[None, :] - pad[:, None], last_pos[:, None],
-                                                torch.ones((len(active), 1), dtype=torch.bool, device=valid.device))
-                else:
-                    mask = valid[:, None, None, :]
+                mask = self._step_mask(valid, cols[None, :] - pad[:, None], last_pos)
                 logits = self._forward(cache, base + step + 1, input_ids=nxt[:, None], attention_mask=mask,
                                        position_ids=last_pos[:, None], logits_to_keep=1).logits[:, -1]
         return [(new[r], reason[r]) for r in range(1 if solo else B)]

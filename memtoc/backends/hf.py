@@ -115,7 +115,7 @@ from tqdm.auto import tqdm
 
 from ..config import ConfigError
 from ..decoding import policy_from_config
-from ..gpuenv import release_memory
+from ..gpuenv import cpu_has_native_bf16, release_memory, warn_emulated_bf16
 from ..render import render_prompt
 from ..weights import adapter_hash, weights_hash
 from .attention import CPU_ATTENTION, attention_implementation, cpu_decode_attention, register_cpu_attention
@@ -134,15 +134,6 @@ DECODE_LOOPS = ("compact", "generate")
 MASK_KERNELS = ("sdpa", CPU_ATTENTION, "eager")   # attention kernels that take the loop's 4-D masks
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): elsewhere bf16 is
-    emulated and slower than float32."""
-    import torch
-    cpu = getattr(torch, "cpu", None)
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
-
-
 def resolve_dtype(dtype: str, device: str):
     import torch
     if dtype == "auto":
@@ -151,6 +142,8 @@ def resolve_dtype(dtype: str, device: str):
         # batch-invariant either way (module docstring): bf16 with the row prefill and the aligned
         # cache where the CPU has bf16 instructions, else float32 with the tie-break
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if not device.startswith("cuda"):
+        warn_emulated_bf16(dtype, False, "generation dtype")
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
 
 

@@ -23,7 +23,7 @@ def tail_order(lens: list[int], chunk: int) -> list[int]:
 
 class RowPrefill:
     """The row prefills of :class:`memtoc.backends.compact.CompactDecoder` (a mixin: it uses the
-    decoder's ``_new_cache``, ``_forward`` and ``_position_masks``)."""
+    decoder's ``_new_cache``, ``_forward``, ``_position_masks`` and ``_step_mask``)."""
 
     def _prefill_rows(self, input_ids, attn):
         """Each row's prompt computed alone (batch 1, no padding, nothing before it), i.e. as the
@@ -152,8 +152,7 @@ class RowPrefill:
         layers, heads, dim = self._kv_dims()
         big = torch.zeros((layers, 2, B, heads, cap, dim), dtype=self.torch_dtype, device=dev)
         for r, chain in enumerate(chains):
-            for i, cid in enumerate(chain):
-                big[:, :, r, :, i * C:(i + 1) * C] = held[cid]
+            self._place_chunks(big, r, chain, held)
         F = max(starts)
         cache = self._new_cache(cap)
         for layer, kv in zip(cache.layers, big):
@@ -171,11 +170,7 @@ class RowPrefill:
             valid[torch.arange(k, device=dev), pos] = True
             for layer in cache.layers:
                 layer.rows, layer.cols = k, pos
-            if self.sliding_window or self.attention == "eager":
-                mask = self._position_masks(valid[:k], cols[None, :].expand(k, -1), pos[:, None],
-                                            torch.ones((k, 1), dtype=torch.bool, device=dev))
-            else:
-                mask = valid[:k, None, None, :]
+            mask = self._step_mask(valid[:k], cols[None, :].expand(k, -1), pos)
             out = self._forward(cache, F + step + 1, input_ids=toks, attention_mask=mask,
                                 position_ids=pos[:, None], logits_to_keep=1)
             for r in range(k):
@@ -187,6 +182,13 @@ class RowPrefill:
             layer.rows, layer.cols = B, None
             layer._views()
         return cache, torch.stack(first)
+
+    def _place_chunks(self, dst, row: int, chain: list[int], held: dict) -> None:
+        """Copy the keys / values of the chunks named ``chain`` (from ``held``) into row ``row`` of
+        ``dst`` (layers, 2, rows, heads, columns, dim), chunk i at columns iC..(i+1)C-1."""
+        C = self.prefill_chunk
+        for i, cid in enumerate(chain):
+            dst[:, :, row, :, i * C:(i + 1) * C] = held[cid]
 
     def _kv_dims(self) -> tuple[int, int, int]:
         """(layers, key / value heads, head dim) of the model's cache."""
@@ -220,12 +222,10 @@ class RowPrefill:
         cache = self._new_cache(start + T)
         store = None
         if start:
-            C = self.prefill_chunk
             first = held[pasts[0][0]]                                   # layers, 2, heads, C, dim
             store = first.new_empty(first.shape[:2] + (n, first.shape[2], start + T, first.shape[4]))
             for u, chain in enumerate(pasts):
-                for i, cid in enumerate(chain):
-                    store[:, :, u, :, i * C:(i + 1) * C] = held[cid]
+                self._place_chunks(store, u, chain, held)
             for layer, kv in zip(cache.layers, store):
                 layer.preload(kv[0], kv[1], start)
         pos = torch.arange(start, start + T, device=tokens.device).expand(n, T)

@@ -11,7 +11,7 @@ from .base import Block, Fail, as_list, is_int, is_num
 
 EVAL_CONDITIONS = ARM_CONDITIONS                  # tool_right, tool_wrong, tool_error
 LR_SCHEDULERS = ("linear", "constant", "cosine", "constant_with_warmup")
-TRAIN_DTYPES = ("bfloat16", "float32")
+TRAIN_DTYPES = ("auto", "bfloat16", "float32")
 EVAL_DTYPES = (None, "auto", "bfloat16", "float32", "float16")
 
 
@@ -46,7 +46,9 @@ class FinetuneConfig(Block):
     batch_size: int = 8
     grad_accum: int = 1
     max_length: int = 512                      # tokens of prompt + completion (the with-tool prompts are ~170)
-    train_dtype: str = "bfloat16"              # base weights during training (LoRA weights stay fp32)
+    train_dtype: str = "auto"                  # base weights AND the trainer's mixed precision during training (LoRA
+                                               # weights stay fp32). auto: bfloat16 on a GPU or a CPU with bf16
+                                               # instructions, float32 elsewhere (emulated bf16 costs ~30x there)
     seed: Optional[int] = None                 # None: the run's seed
     threads: Optional[int] = None              # torch threads during training (None: torch default)
     gradient_checkpointing: bool = False       # trl's default is True; off is ~1.3x faster (memory is no issue at
@@ -144,7 +146,8 @@ def _training(f: dict, fail: Fail) -> None:
         fail("target_modules", f"must be a non-empty list of module names (e.g. q_proj), got {tm!r}")
     f["target_modules"] = list(tm)
     if f["train_dtype"] not in TRAIN_DTYPES:
-        fail("train_dtype", f"must be bfloat16 or float32, got {f['train_dtype']!r}")
+        fail("train_dtype", f"must be auto (bf16 where the hardware computes it, else float32), bfloat16 or "
+                            f"float32, got {f['train_dtype']!r}")
     if f["threads"] is not None and (not is_int(f["threads"]) or f["threads"] < 1):
         fail("threads", f"must be null or a positive integer, got {f['threads']!r}")
 

@@ -130,7 +130,7 @@ from .tables import (adapters_table, closed_book_table, criterion_table, delta_t
                      plot_loss_curve)
 from .training import (TRAINING_KEYS, check_training_tokens, config_hash, finished_adapter, leading_special_text,
                        load_train_model, loss_curve, make_trainer, train_adapter, training_arguments,
-                       training_config, training_eos, training_prompt, warmup_kwargs)
+                       train_dtype, training_config, training_eos, training_prompt, warmup_kwargs)
 
 
 __all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED_BACKEND_OPTIONS",
@@ -141,5 +141,5 @@ __all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED
            "evaluate_adapter", "finished_adapter", "leading_special_text", "load_train_model",
            "loss_curve", "make_trainer", "paired_deltas", "pair_preference", "plan", "plan_table", "plot_deltas",
            "plot_loss_curve", "read_stage_summary", "read_summary", "run", "score_with", "sft_rows",
-           "train_adapter", "training_arguments", "training_config", "training_eos", "training_examples",
+           "train_adapter", "train_dtype", "training_arguments", "training_config", "training_eos", "training_examples",
            "training_prompt", "warmup_kwargs", "write_stage_summary", "write_summary"]

@@ -14,7 +14,7 @@ from packaging.version import Version
 from .. import models
 from ..blockconfig import FinetuneConfig
 from ..config import check_choice
-from ..gpuenv import release_memory
+from ..gpuenv import auto_dtype_name, release_memory, warn_emulated_bf16
 from ..io import sha256_json
 from ..models import attention_implementation
 from .common import OBJECTIVES, FinetuneError
@@ -27,10 +27,24 @@ TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup
                  "max_length", "train_dtype", "seed")
 
 
-def training_config(ft: FinetuneConfig) -> dict[str, Any]:
-    """The hyper-parameters that define an adapter (shared by matched SFT and DPO runs)."""
+def train_dtype(ft: FinetuneConfig, cuda: Optional[bool] = None) -> str:
+    """``ft.train_dtype`` resolved on this machine (``auto``: bfloat16 on a GPU or a CPU with bf16
+    instructions, float32 elsewhere); warns once when bfloat16 is asked for on a CPU that emulates it.
+    ``cuda``: whether training runs on a GPU (default: torch's answer)."""
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if ft.train_dtype == "auto":
+        return auto_dtype_name(cuda)
+    warn_emulated_bf16(ft.train_dtype, cuda, "finetune.train_dtype")
+    return ft.train_dtype
+
+
+def training_config(ft: FinetuneConfig, cuda: Optional[bool] = None) -> dict[str, Any]:
+    """The hyper-parameters that define an adapter (shared by matched SFT and DPO runs), with the
+    training dtype resolved on this machine (so an adapter's identity names what it computed in)."""
     resolved = ft.to_dict()
-    return {k: resolved[k] for k in TRAINING_KEYS}
+    return {**{k: resolved[k] for k in TRAINING_KEYS}, "train_dtype": train_dtype(ft, cuda)}
 
 
 def config_hash(objective: str, ft: FinetuneConfig, base_weights: str, rows: Sequence[dict],
@@ -103,7 +117,9 @@ def training_arguments(ft: FinetuneConfig, out_dir, *, progress: bool = True, cu
     ``transformers.TrainingArguments`` (default: the installed one's); checkpointing goes under
     ``activation_checkpointing`` where it exists (transformers >= 5.24; ``gradient_checkpointing``
     is its deprecated alias there), else ``gradient_checkpointing``. trl's configs default it to on;
-    it is always passed explicitly."""
+    it is always passed explicitly. So is the mixed precision: trl's configs default to ``bf16=True``
+    even on a CPU, which autocasts every step to bfloat16 (emulated, ~30x slower, on a CPU without bf16
+    instructions); here ``bf16`` is on exactly when the resolved training dtype is bfloat16."""
     if arg_names is None:
 
         from transformers import TrainingArguments
@@ -116,6 +132,7 @@ def training_arguments(ft: FinetuneConfig, out_dir, *, progress: bool = True, cu
         max_length=ft.max_length, seed=ft.seed, data_seed=ft.seed, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=not cuda, disable_tqdm=not progress,
         dataloader_num_workers=0, **{ckpt: bool(ft.gradient_checkpointing)},
+        bf16=train_dtype(ft, cuda) == "bfloat16", fp16=False,
         **warmup_kwargs(ft.warmup_ratio, transformers_version),
     )
     if ft.gradient_checkpointing:
@@ -192,9 +209,10 @@ def load_train_model(base_path, ft: FinetuneConfig):
     """The base model for training (``train_dtype``; eager attention for soft-capping models)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[ft.train_dtype]
+    cuda = torch.cuda.is_available()
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[train_dtype(ft, cuda)]
     attn = attention_implementation(AutoConfig.from_pretrained(base_path), "auto",
-                                    "cuda" if torch.cuda.is_available() else "cpu", training=True)
+                                    "cuda" if cuda else "cpu", training=True)
     return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation=attn)
 
 
