@@ -28,16 +28,16 @@ $(VENV)/.installed: pyproject.toml $(LOCK) | $(BIN)/activate
 
 install: $(VENV)/.installed
 
-# the benchmark release: fetched and verified only when memtoc finds none (memtoc/datafetch.py)
+# the benchmark release: fetched and verified only when memtoc finds none (memtoc/data/fetch.py)
 data: install
 	$(BIN)/memtoc data where >/dev/null 2>&1 || $(BIN)/memtoc data fetch
 
 run: install data
 	$(BIN)/memtoc run $(PARAMS)
 
-# the finished default run, rendered for readers into docs/results/ (memtoc/snapshot.py)
+# the finished default run, rendered for readers into docs/results/ (memtoc/run/snapshot.py)
 docs: install
-	$(BIN)/python -m memtoc.snapshot outputs/default docs/results
+	$(BIN)/python -m memtoc.run.snapshot outputs/default docs/results
 
 test: install
 	$(BIN)/python -m pytest -q -ra --durations=15

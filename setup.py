@@ -1,6 +1,6 @@
 """Build hook: a wheel carries the project files (notebooks/, params/, paper/claims.yaml,
 paper/published/, requirements/*.lock) as ``memtoc/_resources/``; ``memtoc init DIR`` copies them
-into a project folder (memtoc/project.py). Everything else is in pyproject.toml.
+into a project folder (memtoc/core/project.py). Everything else is in pyproject.toml.
 
 An editable install (``pip install -e .``) copies nothing: memtoc then reads the clone itself.
 """
@@ -12,7 +12,7 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("_memtoc_project", HERE / "memtoc" / "project.py")
+_spec = importlib.util.spec_from_file_location("_memtoc_project", HERE / "memtoc" / "core" / "project.py")
 _project = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_project)
 _SKIP = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.pyc")

@@ -1,7 +1,7 @@
 """Shared fixtures and fake generators for the test suite (no model is loaded by anything here).
 
 * ``bench``: the benchmark release, loaded once per session.
-* :class:`ScriptedGenerator`: a ``memtoc.backends.base.Generator`` with the real cache logic whose
+* :class:`ScriptedGenerator`: a ``memtoc.generation.backends.base.Generator`` with the real cache logic whose
   replies come from a script (a callable ``prompt -> text`` or a mapping ``substring -> text``); it
   records every prompt it was asked to generate (``seen``) and can yield in batches.
 * :class:`PlainGenerator`: the bare ``generate(prompts, cache_path, desc)`` protocol with no cache
@@ -17,8 +17,8 @@ from typing import Callable, Mapping, Optional, Union
 
 import pytest
 
-from memtoc.backends.base import Generator, Reply
-from memtoc.benchmark import load_benchmark
+from memtoc.data.benchmark import load_benchmark
+from memtoc.generation.backends.base import Generator, Reply
 
 Script = Union[Callable[[str], str], Mapping[str, str]]
 
@@ -82,3 +82,14 @@ class PlainGenerator:
 def bench():
     """The benchmark release (``$MEMTOC_RELEASE`` or ../shared/memtoc-release), loaded once."""
     return load_benchmark()
+
+
+INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/integration/ carries the ``integration`` marker (``-m "not integration"``
+    runs tests/unit/ without the real-model tests there)."""
+    for item in items:
+        if INTEGRATION_DIR in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.integration)

@@ -25,7 +25,7 @@ fold assignments. Episode-file summaries get the written counts and distribution
 (``n_chains``) the mapping's ``summary.final_rows`` and the fold summary are recomputed too.
 
 Not in the compact copy, so not real: ``tool_schema`` is the question's real ToolHop schema where the
-sample shows it (questions 0.0, 13.0, 15.0) and ``memtoc.prompts.synthesize_schema`` elsewhere;
+sample shows it (questions 0.0, 13.0, 15.0) and ``memtoc.core.prompts.synthesize_schema`` elsewhere;
 ``machine_provenance`` is the sample's where it has the row and ``{}`` elsewhere. The semantic
 review and the scored episodes are not written (the compact copy has no per-question review or
 model outputs).
@@ -43,7 +43,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from memtoc.prompts import synthesize_schema
+from memtoc.core.prompts import synthesize_schema
 
 FORMS = {"reference": 0, "paraphrase_a": 1, "paraphrase_b": 2}
 SAMPLE_ENV = "MEMTOC_OFFICIAL_SAMPLE"

@@ -40,7 +40,7 @@ def _write(work: Path, stage: str, summary: dict, old_dump) -> None:
     """A summary written as the notebooks write it (RunPaths' one writer, so the bytes, and the claims'
     sha256 of their source files, compare); an older tree without it: its notebooks' plain dump."""
     try:
-        from memtoc.runconfig import RunPaths
+        from memtoc.config.runconfig import RunPaths
         RunPaths(work).write_summary(stage, summary)
     except (ImportError, AttributeError):
         (work / "summaries" / f"{stage}.json").write_text(old_dump())
@@ -48,12 +48,14 @@ def _write(work: Path, stage: str, summary: dict, old_dump) -> None:
 
 def recompute(work: Path) -> None:
     import pandas as pd
-    from memtoc import construct, elicitation, evaluation, judge, report
-    from memtoc.benchmark import load_benchmark, select_questions
-    from memtoc.config import load_params, resolve_release_dir
-    from memtoc.episodes import run_episodes
+
+    from memtoc.config.params import load_params, resolve_release_dir
+    from memtoc.data.benchmark import load_benchmark, select_questions
+    from memtoc.data.episodes import run_episodes
+    from memtoc.stages import construction as construct, elicitation, evaluation, report
+    from memtoc.stages.evaluation import judge
     try:                                   # the split of issue 11; before it, evaluation held the analyses
-        from memtoc import analyses
+        from memtoc.stages.evaluation import analyses
     except ImportError:
         analyses = evaluation
 
@@ -64,7 +66,7 @@ def recompute(work: Path) -> None:
     summaries.mkdir(parents=True, exist_ok=True)
     bench = load_benchmark(P["release_dir"])
     try:                                   # typed configs (issue 23): stage functions take the RunConfig
-        from memtoc.runconfig import RunConfig
+        from memtoc.config.runconfig import RunConfig
         cfg = RunConfig.of(P)
     except ImportError:
         cfg = P

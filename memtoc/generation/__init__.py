@@ -1,0 +1,2 @@
+"""Models and their replies: the model registry, weights, chat templates, decoding policy, the reply
+cache, the hardware checks, and the backends (``generation.backends``). Imports ``core`` only."""

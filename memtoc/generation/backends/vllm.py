@@ -1,0 +1,159 @@
+"""vllm backend: the offline ``vllm.LLM`` engine with automatic prefix caching (GPU users).
+
+Install the optional extra (``pip install 'memtoc[gpu]'``); vllm is imported only when this backend
+is chosen. Prompts are formatted exactly as in the transformers backend (memtoc's rule: the
+model's chat template with one user turn, the embedded model without any system turn; base models
+the raw text), tokenized with the model's own tokenizer and handed to ``LLM.generate`` as token ids,
+so the three backends see identical prompt tokens. Prefix caching (``enable_prefix_caching=True``)
+lets the conditions of one question share the KV cache of their common instruction+schema prefix;
+requests are submitted sorted by prompt so that shared prefixes sit next to each other.
+
+Options (``load_generator(..., backend="vllm", **options)``): ``stop_at_final`` (default True; the
+reply is cut after its first completed FINAL line, as in the other backends), ``chunk`` (requests
+per ``LLM.generate`` call, default 4096: each chunk is written to the cache when it finishes), and
+any ``vllm.LLM`` keyword (``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``...).
+A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``).
+
+Decoding follows :mod:`memtoc.generation.decoding`: greedy with the model's generation-config penalties, as the
+transformers backend. ``batch_invariant`` (``auto`` | true | false; ``auto`` = on where the GPU
+meets vLLM's documented requirement) sets ``VLLM_BATCH_INVARIANT`` before vLLM is imported, so that
+replies do not depend on the batch; it is part of the cache identity.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from tqdm.auto import tqdm
+
+from memtoc.generation.backends.base import Generator, Reply, truncate_reply
+from memtoc.generation.backends.openai import BackendError
+from memtoc.generation.decoding import DecodingPolicy, batch_invariant_on, read_policy, set_batch_invariant_env
+from memtoc.generation.templates import render_prompt
+from memtoc.generation.weights import adapter_hash, weights_hash
+
+
+def vllm_dtype(dtype: str) -> str:
+    return {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}[dtype]
+
+
+def build_requests(tokenizer, spec, prompts: list[str]) -> list[dict[str, Any]]:
+    """vLLM prompt dicts (``{"prompt_token_ids": [...]}``) for user-turn prompts, memtoc's format."""
+    out = []
+    for p in prompts:
+        text, special = render_prompt(tokenizer, spec, p)
+        out.append({"prompt_token_ids": tokenizer(text, add_special_tokens=special)["input_ids"]})
+    return out
+
+
+def sampling_kwargs(max_new_tokens: int, seed: Optional[int] = None,
+                    policy: Optional[DecodingPolicy] = None) -> dict[str, Any]:
+    """Greedy decoding settings for ``vllm.SamplingParams``, with the model's penalties (``policy``)."""
+    return (policy or DecodingPolicy()).vllm_sampling(max_new_tokens, seed)
+
+
+def gpu_capability() -> Optional[tuple[int, int]]:
+    import torch
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
+def engine_kwargs(path: Path, dtype: str, adapter: Optional[str], options: dict[str, Any]) -> dict[str, Any]:
+    kw = {"model": str(path), "dtype": vllm_dtype(dtype), "enable_prefix_caching": True, "seed": 0}
+    if adapter is not None:
+        kw.update(enable_lora=True, max_lora_rank=64)
+    kw.update(options)
+    return kw
+
+
+def submission_order(prompts: list[str]) -> list[int]:
+    """Indices sorted by prompt text: requests sharing a prefix are submitted next to each other."""
+    return sorted(range(len(prompts)), key=lambda i: (prompts[i], i))
+
+
+class VLLMGenerator(Generator):
+    backend = "vllm"
+
+    def __init__(self, spec, path: Path, adapter=None, dtype: str = "auto", max_new_tokens: int = 48,
+                 cache_dir=None, stop_at_final: bool = True, stop_at_first_line: bool = False, chunk: int = 4096, seed: Optional[int] = None,
+                 show_progress: bool = True, batch_size: Any = None, batch_invariant: Any = "auto",
+                 **llm_options):
+        self.batch_invariant = batch_invariant_on(batch_invariant, gpu_capability())
+        set_batch_invariant_env(self.batch_invariant)   # before vllm is imported: some releases read it then
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise BackendError("backend 'vllm' needs the vllm package (a GPU install): pip install "
+                               "'memtoc[gpu]'; on a CPU use backend 'transformers'") from None
+        from transformers import AutoTokenizer
+
+
+        self.spec = spec
+        self.path = Path(path)
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_at_final = bool(stop_at_final)
+        self.stop_at_first_line = bool(stop_at_first_line)
+        self.chunk = int(chunk)
+        self.seed = seed
+        self.show_progress = show_progress
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.policy = read_policy(self.path)
+        self.adapter = str(adapter) if adapter is not None else None
+        self.llm = vllm.LLM(**engine_kwargs(self.path, dtype, self.adapter, llm_options))
+        self.lora = None
+        if self.adapter is not None:
+            from vllm.lora.request import LoRARequest
+            self.lora = LoRARequest("adapter", 1, self.adapter)
+        super().__init__({
+            "model": spec.name, "weights_sha256": weights_hash(self.path, cache_dir),
+            "adapter_sha256": adapter_hash(adapter) if adapter is not None else None,
+            "backend": self.backend,
+            "prompt_format": {"chat": spec.chat, "system_turn": spec.system_turn},
+            "decoding": {"greedy": True, "max_new_tokens": self.max_new_tokens,
+                         "stop_at_final": self.stop_at_final, "dtype": dtype,
+                         **({"stop_at_first_line": True} if self.stop_at_first_line else {}),
+                         **self.policy.identity()},
+            **({"batch_invariant": True} if self.batch_invariant else {}),
+        })
+
+    def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
+        from vllm import SamplingParams
+        sp = SamplingParams(**sampling_kwargs(self.max_new_tokens, self.seed, self.policy))
+        order = submission_order(prompts)
+        bar = tqdm(total=len(prompts), desc=desc or f"generate {self.spec.label}", unit="req",
+                   disable=not self.show_progress, leave=False)
+        try:
+            for k in range(0, len(order), self.chunk):
+                idx = order[k:k + self.chunk]
+                reqs = build_requests(self.tokenizer, self.spec, [prompts[i] for i in idx])
+                t0 = time.perf_counter()
+                outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self.lora)
+                dt = time.perf_counter() - t0
+                replies = []
+                for req, o in zip(reqs, outs):
+                    c = o.outputs[0]
+                    text, finish = c.text, ("eos" if c.finish_reason == "stop" else c.finish_reason or "")
+                    cut, rule = truncate_reply(text, self.stop_at_final, self.stop_at_first_line)
+                    if rule and cut != text:
+                        text, finish = cut, rule
+                    replies.append(Reply(text=text, n_prompt_tokens=len(req["prompt_token_ids"]),
+                                         n_new_tokens=len(c.token_ids), seconds=dt / len(idx), key="",
+                                         cached=False, finish=finish))
+                bar.update(len(idx))
+                yield idx, replies
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        if llm is not None:
+            del llm
+            try:
+        
+                import torch
+                gc.collect()
+                torch.cuda.empty_cache()
+            except Exception:
+                pass

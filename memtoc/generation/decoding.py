@@ -1,0 +1,104 @@
+"""One decoding policy for every backend: greedy, with the model's own generation-config penalties.
+
+The paper served its models with ``vllm serve``, which starts every request from the model's
+``generation_config.json`` (vLLM's ``--generation-config auto``) and lets the request override the
+sampling fields: the requests asked for temperature 0, so replies were greedy *with* the model's
+repetition penalty (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``). memtoc reads that file once
+per model (:func:`read_policy`) and applies the same settings on every backend:
+
+* transformers: ``model.generate`` with ``do_sample=False`` applies the generation config's logits
+  processors (the compact decode loop is used only for models without them);
+* vLLM: :meth:`DecodingPolicy.vllm_sampling` builds ``SamplingParams`` from the same values.
+
+A model without penalties gets ``DecodingPolicy()`` whose :meth:`identity` is empty, so the cache keys
+of such models do not change. :func:`batch_invariant_on` decides vLLM's batch-invariant mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from memtoc.core.errors import ConfigError
+
+#: generation-config fields that change a greedy reply, and their neutral values
+PENALTIES: dict[str, float] = {"repetition_penalty": 1.0}
+#: vLLM's documented requirement for VLLM_BATCH_INVARIANT (docs/features/batch_invariance.md: NVIDIA
+#: compute capability 9.0 or higher, H100/H200/B100/B200)
+BATCH_INVARIANT_MIN_CAPABILITY = (9, 0)
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+@dataclass(frozen=True)
+class DecodingPolicy:
+    """Greedy decoding plus the model's penalties (``source``: the file they came from)."""
+
+    repetition_penalty: float = 1.0
+    source: Optional[str] = None
+
+    def identity(self) -> dict[str, Any]:
+        """The cache-key part: empty for plain greedy decoding."""
+        return {k: getattr(self, k) for k, neutral in PENALTIES.items() if getattr(self, k) != neutral}
+
+    def vllm_sampling(self, max_new_tokens: int, seed: Optional[int] = None) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.SamplingParams``: greedy, the penalties, the token budget."""
+        kw: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "max_tokens": int(max_new_tokens), "n": 1,
+                              **self.identity()}
+        if seed is not None:
+            kw["seed"] = seed
+        return kw
+
+    def transformers_generate(self) -> dict[str, Any]:
+        """What ``model.generate`` is given besides greedy: the same penalties."""
+        return self.identity()
+
+
+def policy_from_config(config: Any, source: Optional[str] = None) -> DecodingPolicy:
+    """The policy of a generation config (a dict, a ``GenerationConfig`` or None)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    values = {}
+    for field, neutral in PENALTIES.items():
+        v = get(field, None) if config is not None else None
+        if v is None:
+            v = neutral
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{source or 'generation config'}: field {field!r} must be a positive number, got {v!r}")
+        values[field] = float(v)
+    return DecodingPolicy(**values, source=source)
+
+
+def read_policy(model_dir: Path) -> DecodingPolicy:
+    """The policy of a model folder (its ``generation_config.json``; none: plain greedy)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return DecodingPolicy()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    return policy_from_config(config, str(path))
+
+
+def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]]) -> bool:
+    """Whether vLLM's batch-invariant mode is on: ``setting`` ``"auto"`` (on where the GPU meets vLLM's
+    documented requirement), ``True`` or ``False``; ``capability`` the GPU's (major, minor), None
+    without a GPU."""
+    if setting not in ("auto", True, False):
+        raise ConfigError(f"backend option 'batch_invariant' must be auto, true or false, got {setting!r}")
+    if setting == "auto":
+        return capability is not None and tuple(capability) >= BATCH_INVARIANT_MIN_CAPABILITY
+    return bool(setting)
+
+
+def set_batch_invariant_env(on: bool) -> None:
+    """Set ``VLLM_BATCH_INVARIANT`` before vLLM is imported (some releases read it at import time);
+    refuses to change it once vLLM is loaded with the other value."""
+    want = "1" if on else "0"
+    have = os.environ.get(BATCH_INVARIANT_ENV, "0")
+    if "vllm" in sys.modules and (have not in ("", "0")) != on:
+        raise ConfigError(f"vLLM is already loaded with {BATCH_INVARIANT_ENV}={have}; a second engine cannot "
+                          f"switch it to {want}: run the two settings in separate processes")
+    os.environ[BATCH_INVARIANT_ENV] = want

@@ -1,0 +1,2 @@
+"""Running the stages: the stage registry, the papermill pipeline, notebook set-up, the run lock, the
+dry run, merging runs, server and GPU checks, benchmarks, the docs snapshot. Imports every layer below."""

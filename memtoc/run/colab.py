@@ -1,0 +1,145 @@
+"""Colab set-up: what ``notebooks/colab_setup.ipynb`` does after it has installed memtoc itself.
+
+On Colab only (nothing happens elsewhere):
+
+1. installs the packages memtoc needs that the Colab image lacks into the kernel's own Python, from
+   the lock that fits the runtime (:func:`colab_lock`): on a GPU runtime the GPU lock for its NVIDIA
+   driver (``requirements/gpu-cu12.lock`` on Colab's CUDA 12 driver: vLLM 0.19.1 with its torch 2.10.0
+   for CUDA 12.8, replacing Colab's torch), on a CPU runtime ``requirements/cpu.lock`` without torch
+   (Colab's own torch is kept); *never* the packages the kernel runs on (jupyter, ipykernel, IPython,
+   tornado, ...);
+2. makes the project folder (``memtoc init``): on Google Drive when it is mounted
+   (``/content/drive/MyDrive/memtoc``: outputs, the model cache and the release survive the session),
+   else ``/content/memtoc`` (wiped when the runtime is recycled);
+3. fetches and verifies the MemToC release into it (``memtoc data fetch``);
+4. logs in to the Hugging Face hub with the ``HF_TOKEN`` Colab secret when one is set (Llama, gemma
+   and Mistral are gated: accept their licences on the hub first).
+
+After a GPU lock replaced torch, restart the session (Runtime → Restart session) before importing
+torch in this notebook. Neither lock has been run on Colab by this repository yet (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from memtoc.core.project import bundled_resources
+from memtoc.generation.hardware import choose_lock, driver_version
+
+#: what the Colab kernel runs on: never installed over
+KERNEL_PACKAGES = frozenset({
+    "ipykernel", "ipython", "ipython-pygments-lexers", "jupyter", "jupyter-client", "jupyter-core",
+    "jupyter-server", "jupyterlab", "notebook", "nbformat", "nbclient", "tornado", "traitlets", "pyzmq",
+    "comm", "debugpy", "matplotlib-inline", "prompt-toolkit", "jedi", "parso", "decorator", "pexpect",
+})
+#: Colab's CUDA build of torch and what comes with it: kept on a CPU runtime, replaced by a GPU lock's
+GPU_STACK = frozenset({"torch", "torchvision", "torchaudio", "triton", "nvidia-*"})
+DRIVE_ROOT = Path("/content/drive/MyDrive")
+LOCAL_ROOT = Path("/content")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where memtoc keeps its project, models and data on this Colab runtime."""
+
+    project: Path
+    model_cache: Path
+    data: Path
+    on_drive: bool
+
+    def environment(self) -> dict[str, str]:
+        return {"MEMTOC_HOME": str(self.project), "MEMTOC_MODEL_CACHE": str(self.model_cache),
+                "MEMTOC_DATA_DIR": str(self.data)}
+
+
+def on_colab(modules: Optional[dict] = None) -> bool:
+    return "google.colab" in (sys.modules if modules is None else modules)
+
+
+def _name(req: str) -> str:
+    return re.split(r"[=<>!\[ ;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _among(name: str, names: Iterable[str]) -> bool:
+    return any(name == k or (k.endswith("*") and name.startswith(k[:-1])) for k in names)
+
+
+def install_plan(lock_lines: Iterable[str], installed: dict[str, str], keep_gpu_stack: bool = True) -> list[str]:
+    """The ``name==version`` pins of the lock to install on top of the image: the kernel's packages
+    left out, Colab's torch and CUDA libraries left out when ``keep_gpu_stack``, pins the image already
+    satisfies left out."""
+    out = []
+    for line in lock_lines:
+        line = line.split("#", 1)[0].strip()
+        if not line or "==" not in line:
+            continue
+        name, version = _name(line), line.split("==", 1)[1].split(";", 1)[0].strip()
+        if _among(name, KERNEL_PACKAGES) or (keep_gpu_stack and _among(name, GPU_STACK)) \
+                or installed.get(name) == version:
+            continue
+        out.append(f"{name}=={version}")
+    return out
+
+
+def colab_lock(driver: Optional[str]) -> tuple[str, bool, str]:
+    """(lock file, keep Colab's torch, why) for a runtime whose NVIDIA driver is ``driver`` (None: a
+    CPU runtime): the GPU lock :func:`memtoc.generation.hardware.choose_lock` picks, with its own torch; else
+    ``requirements/cpu.lock`` on Colab's torch."""
+    choice = choose_lock(driver)
+    if choice.lock is None:
+        return "requirements/cpu.lock", True, choice.reason
+    return choice.lock, False, choice.reason
+
+
+def layout(drive_mounted: bool) -> Layout:
+    root = (DRIVE_ROOT if drive_mounted else LOCAL_ROOT) / "memtoc"
+    return Layout(root, root / "models", root / "release", drive_mounted)
+
+
+def hub_token(get_secret: Callable[[str], Any]) -> Optional[str]:
+    """The ``HF_TOKEN`` Colab secret, or None when it is not set or not shared with this notebook."""
+    try:
+        token = get_secret("HF_TOKEN")
+    except Exception:          # google.colab.userdata raises its own SecretNotFoundError / NotebookAccessError
+        return None
+    return token or None
+
+
+def installed_versions() -> dict[str, str]:
+    return {_name(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+
+
+def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[[str], Any]] = None,
+          drive_mounted: Optional[bool] = None, login: Optional[Callable[[str], Any]] = None,
+          log: Callable[[str], Any] = print, driver: Optional[str] = "ask") -> Optional[Layout]:
+    """Everything after memtoc itself is installed (see the module docstring); None off Colab.
+    ``driver``: the NVIDIA driver version (default: ask ``nvidia-smi``; None: a CPU runtime)."""
+    if not on_colab():
+        log("not on Colab: nothing to set up (install with `make install` or pip, docs/gpu.md)")
+        return None
+    run = run or (lambda cmd: subprocess.run(cmd, check=True))
+    lock_name, keep_torch, why = colab_lock(driver_version() if driver == "ask" else driver)
+    log(f"{lock_name}: {why}")
+    lock = (bundled_resources() / lock_name).read_text().splitlines()
+    pins = install_plan(lock, installed_versions(), keep_gpu_stack=keep_torch)
+    if pins:
+        log(f"installing {len(pins)} packages the image lacks (the kernel's own packages "
+            + ("and Colab's torch left as they are)" if keep_torch else "left as they are; torch replaced by the "
+               "lock's: restart the session before importing torch here)"))
+        run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *pins])
+    where = layout(DRIVE_ROOT.is_dir() if drive_mounted is None else drive_mounted)
+    os.environ.update(where.environment())
+    run([sys.executable, "-m", "memtoc", "init", str(where.project)])
+    run([sys.executable, "-m", "memtoc", "data", "fetch"])
+    token = hub_token(get_secret) if get_secret else None
+    if token and login:
+        login(token)
+    log(f"memtoc project: {where.project}" + ("" if where.on_drive else " (not on Drive: mount it to keep outputs)")
+        + ("; logged in to the hub" if token and login else "; no HF_TOKEN secret: gated models will not download"))
+    return where

@@ -1,0 +1,119 @@
+"""The Colab set-up's logic (memtoc/run/colab.py) in a mocked Colab environment."""
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+import types
+
+import pytest
+from packaging.requirements import Requirement
+
+from memtoc.config import locks as lock
+from memtoc.core.project import REPO_ROOT
+from memtoc.run import colab
+
+
+def test_the_kernel_packages_and_torch_are_never_installed():
+    lock = ["# comment", "ipykernel==6.30.0", "IPython==9.0.0", "torch==2.13.0", "nvidia-cublas-cu12==12.8.4.1",
+            "transformers==5.24.0  # pinned", "trl==1.16.0", "peft==0.21.2", "tornado==6.5"]
+    plan = colab.install_plan(lock, installed={"peft": "0.21.2", "transformers": "4.57.0"})
+    assert plan == ["transformers==5.24.0", "trl==1.16.0"]        # peft already there at the pin
+    real = colab.install_plan((REPO_ROOT / "requirements" / "cpu.lock").read_text().splitlines(), {})
+    assert not any(p.split("==")[0] in ("torch", "ipykernel", "jupyter-client", "tornado") for p in real)
+    assert any(p.startswith("trl==") for p in real) and any(p.startswith("papermill==") for p in real)
+
+
+@pytest.mark.parametrize("mounted,root", [(True, "/content/drive/MyDrive/memtoc"), (False, "/content/memtoc")])
+def test_outputs_and_models_go_to_drive_when_mounted(mounted, root):
+    lay = colab.layout(mounted)
+    env = lay.environment()
+    assert env["MEMTOC_HOME"] == root and env["MEMTOC_MODEL_CACHE"] == root + "/models"
+    assert env["MEMTOC_DATA_DIR"] == root + "/release" and lay.on_drive is mounted
+
+
+def test_the_hub_token_comes_from_the_secret_or_is_absent():
+    assert colab.hub_token(lambda k: {"HF_TOKEN": "hf_x"}[k]) == "hf_x"
+
+    class SecretNotFoundError(Exception):
+        pass
+
+    def missing(k):
+        raise SecretNotFoundError(k)
+    assert colab.hub_token(missing) is None and colab.hub_token(lambda k: "") is None
+
+
+def test_setup_off_colab_does_nothing(monkeypatch):
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    ran = []
+    assert colab.setup(run=ran.append, log=lambda s: None) is None and ran == []
+
+
+def test_setup_on_a_mocked_colab(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"trl": "1.16.0"})
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")   # recorded, so the values setup() writes are undone after the test
+    ran, logins, said = [], [], []
+    lay = colab.setup(run=ran.append, get_secret=lambda k: "hf_secret", drive_mounted=True, login=logins.append,
+                      log=said.append, driver=None)     # a CPU runtime: the CPU lock on Colab's torch
+    pip, init, fetch = ran
+    assert pip[1:5] == ["-m", "pip", "install", "-q"] and "--no-deps" in pip
+    assert not any(p.startswith(("torch==", "ipykernel==", "trl==")) for p in pip)
+    assert init[-2:] == ["init", "/content/drive/MyDrive/memtoc"] and fetch[-2:] == ["data", "fetch"]
+    assert logins == ["hf_secret"] and lay.on_drive
+    import os
+    assert os.environ["MEMTOC_HOME"] == "/content/drive/MyDrive/memtoc"
+
+
+@pytest.mark.parametrize("driver, lock, keep_torch", [
+    (None, "requirements/cpu.lock", True),               # a CPU runtime
+    ("550.54.15", "requirements/gpu-cu12.lock", False),  # Colab's CUDA 12 driver
+    ("580.82.07", "requirements/gpu.lock", False),       # a CUDA 13 driver
+])
+def test_colab_picks_the_lock_for_its_driver(driver, lock, keep_torch):
+    name, keep, why = colab.colab_lock(driver)
+    assert (name, keep) == (lock, keep_torch) and why and (REPO_ROOT / name).is_file()
+
+
+def test_setup_on_a_mocked_colab_gpu_installs_the_cuda12_lock_with_its_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"torch": "2.11.0+cu128", "ipykernel": "6.17.1"})
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")
+    ran, said = [], []
+    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver="550.54.15")
+    pip = ran[0]
+    assert "torch==2.10.0" in pip and "vllm==0.19.1" in pip and "nvidia-cublas-cu12==12.8.4.1" in pip
+    assert not any(p.startswith(("ipykernel==", "jupyter-client==", "tornado==")) for p in pip)
+    assert any("gpu-cu12.lock" in s for s in said) and any("restart the session" in s for s in said)
+
+
+def test_the_cuda12_lock_is_a_cuda12_build():
+    pins = (REPO_ROOT / "requirements" / "gpu-cu12.lock").read_text()
+    assert "torch==2.10.0" in pins and "vllm==0.19.1" in pins
+    assert "-cu12==" in pins and "-cu13==" not in pins and "nvidia-cublas==" not in pins
+
+
+
+def test_the_cuda12_lock_pins_inside_pyproject_ranges():
+    pins = lock.read_lock(REPO_ROOT / "requirements" / "gpu-cu12.lock")
+    proj = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(x) for x in proj["dependencies"] + proj["optional-dependencies"]["gpu"]]
+    for r in reqs:
+        name = lock.canonical(r.name)
+        assert name in pins and r.specifier.contains(pins[name]), f"gpu-cu12.lock {name} outside {r}"
+
+
+def test_the_setup_notebook_installs_only_on_colab():
+    nb = json.loads((REPO_ROOT / "notebooks" / "colab_setup.ipynb").read_text())
+    code = "".join(nb["cells"][1]["source"])
+    assert 'if "google.colab" in sys.modules:' in code and "--no-deps" in code and "setup(" in code
+    assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+def test_setup_leaves_no_environment_behind():
+    """The previous test's MEMTOC_HOME must not reach later tests (their project root would move)."""
+    import os
+    assert "/content/" not in os.environ.get("MEMTOC_HOME", "")
+

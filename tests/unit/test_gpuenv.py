@@ -1,0 +1,170 @@
+"""GPU preconditions checked before work starts, and memory handed back when a generator closes."""
+import gc
+import weakref
+
+import pytest
+
+from memtoc import cli
+from memtoc.config.runconfig import RunConfig
+from memtoc.core.errors import ConfigError
+from memtoc.generation import hardware as gpuenv, models
+from memtoc.generation.backends import base, hf
+from memtoc.run import gpucheck
+from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
+
+NO_GPU = gpuenv.CudaFacts(torch="2.13.0+cpu", built_for=None, available=False, devices=0)
+OLD_DRIVER = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=False, devices=0)
+FULL_GPU = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=True, devices=1, name="A100",
+                            free_gib=0.2, total_gib=80.0)
+
+
+def test_cpu_runs_need_no_gpu():
+    assert gpuenv.gpu_needs(RunConfig.of({"backend": "transformers", "backend_options": {}})) == []
+    assert gpuenv.check_gpu(RunConfig.of({"backend": "transformers"}), facts=NO_GPU) is None
+
+
+def test_each_gpu_setting_is_named():
+    p = {"backend": "vllm", "judge": {"model": "smollm2-135m-instruct", "backend": "transformers", "backend_options": {"device": "cuda:1"}},
+         "agent": {"enabled": True, "runtime": "transformers", "runtime_options": {"device": "cuda"}}}
+    needs = gpuenv.gpu_needs(RunConfig.of(p))
+    assert len(needs) == 3 and "backend: vllm" in needs[0] and "judge" in needs[1] and "agent" in needs[2]
+    assert gpuenv.gpu_needs(RunConfig.of({**p, "agent": {"enabled": False, "runtime_options": {"device": "cuda"}},
+                                          "judge": None, "backend": "transformers"})) == []
+
+
+@pytest.mark.parametrize("facts,words", [(NO_GPU, "CPU build"), (OLD_DRIVER, "driver too old"),
+                                         (FULL_GPU, "0.2 GiB of A100 is free")])
+def test_a_missing_or_full_gpu_is_one_line_naming_the_file(facts, words):
+    with pytest.raises(ConfigError) as e:
+        gpuenv.check_gpu(RunConfig.of({"backend": "vllm"}), "params/paper.yaml", facts=facts)
+    msg = str(e.value)
+    assert msg.startswith("params/paper.yaml: generation (backend: vllm)") and words in msg and "\n" not in msg
+
+
+def test_gpucheck_without_a_gpu_fails_and_names_it(monkeypatch, capsys):
+    monkeypatch.setattr(gpuenv, "cuda_facts", lambda: NO_GPU)
+    monkeypatch.setattr("memtoc.run.gpucheck.cuda_facts", lambda: NO_GPU)
+    assert cli.main(["gpucheck"]) == 2
+    err = capsys.readouterr().err
+    assert "no GPU to check" in err and "--device cpu" in err and len(err.strip().splitlines()) == 1
+
+
+def test_closing_a_generator_frees_its_model(tiny_model_dir):  # noqa: F811
+    gen = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, dtype="float32",
+                                   max_new_tokens=4, show_progress=False)
+    alive = weakref.ref(gen.model)
+    gen.close()
+    gc.collect()
+    assert alive() is None and gen.model is None
+    gen.close()  # twice is fine
+
+
+def test_a_closed_lazy_generator_drops_and_reloads(tiny_model_dir):  # noqa: F811
+    built = []
+
+    def factory():
+        g = hf.TransformersGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, dtype="float32",
+                                     max_new_tokens=4, show_progress=False)
+        built.append(weakref.ref(g.model))
+        return g
+
+    lazy = base.LazyGenerator(factory, {"model": "tiny"}, None)
+    first = lazy.load()
+    lazy.close()
+    del first
+    gc.collect()
+    assert built[0]() is None and not lazy.loaded
+    lazy.load()
+    assert len(built) == 2 and built[1]() is not None
+
+
+def test_run_of_a_gpu_plan_refuses_before_any_notebook(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("memtoc.run.pipeline.check_gpu",
+                        lambda params, source: gpuenv.check_gpu(params, source, facts=NO_GPU))
+    rc = cli.main(["run", "params/paper.yaml", "--set", f"output_root={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "needs a CUDA GPU" in err and "paper.yaml" in err
+    assert not any(tmp_path.iterdir())       # nothing written: no run directory, no notebook
+
+
+def test_quick_plan_check_keeps_the_plan_and_shrinks_it(tmp_path):
+    from memtoc.config.params import load_params
+    from memtoc.run import gpuquick, pipeline
+    plan = load_params("params/paper.yaml")
+    q = gpuquick.quick_config("params/paper.yaml", str(tmp_path))
+    assert q["models"] == [models.EMBEDDED] and q["backend"] == plan["backend"] == "vllm" and q["dtype"] == plan["dtype"]
+    assert q["judge"]["model"] == models.EMBEDDED and q["judge"]["backend"] == plan["judge"]["backend"]
+    assert q["n_questions"] == 2 and q["finetune"]["max_steps"] == 1 and q["backend_options"]["gpu_memory_utilization"] <= 0.3
+    assert q["output_root"] == str(tmp_path) and q["run_name"] == "gpucheck-quick"
+    steps = {s.number: s.run for s in pipeline.plan(q)}
+    assert steps == {s.number: s.run for s in pipeline.plan(RunConfig.of(plan))}           # the same stages run
+    q70 = gpuquick.quick_config("params/scale70b.yaml", str(tmp_path))
+    assert {s.number for s in pipeline.plan(q70) if not s.run} >= {"04", "05", "06", "07"}
+
+
+def test_quick_plan_check_on_the_cpu_drops_the_vllm_engine_everywhere(tmp_path):
+    from memtoc.run import gpuquick, pipeline
+    q = gpuquick.quick_config("params/paper.yaml", str(tmp_path), device="cpu")
+    assert q.backend == "transformers" and q.backend_options == {}
+    assert q.judge.backend == "transformers" and q.judge.backend_options == {} and q.judge.model == models.EMBEDDED
+    assert q.finetune.backend_options == RunConfig.load("params/paper.yaml").finetune.backend_options
+    assert gpuenv.gpu_needs(q) == []                     # nothing left that asks for CUDA
+    assert [s.number for s in pipeline.plan(q) if s.run] == [s.number for s in pipeline.plan(
+        gpuquick.quick_config("params/paper.yaml", str(tmp_path))) if s.run]
+
+
+def test_quick_plan_check_needs_a_gpu(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr("memtoc.run.gpuquick.check_gpu",
+                        lambda params, source: gpuenv.check_gpu(params, source, facts=NO_GPU))
+    rc = cli.main(["gpucheck", "--plan", "params/paper.yaml", "--quick", "--keep", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs a CUDA GPU" in err and "gpucheck --quick" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("driver, torch_cuda, lock, words", [
+    (None, None, None, "no GPU lock applies"),
+    ("470.256.02", "12.8", None, "older than 525"),
+    ("535.104.05", None, gpuenv.GPU_CU12_LOCK, "CUDA 12"),          # a Colab-like driver
+    ("575.57.08", "13.0", gpuenv.GPU_CU12_LOCK, "cannot run: reinstall from requirements/gpu-cu12.lock"),
+    ("580.65.06", "13.0", gpuenv.GPU_LOCK, "CUDA 13"),
+    ("590.10", "12.8", gpuenv.GPU_LOCK, "also runs on it"),
+    ("N/A", None, None, "not a version"),
+])
+def test_the_lock_follows_the_driver(driver, torch_cuda, lock, words):
+    choice = gpuenv.choose_lock(driver, torch_cuda)
+    assert choice.lock == lock and words in choice.reason and "\n" not in choice.reason
+
+
+def test_a_cu12_driver_with_a_cu12_torch_gets_no_warning():
+    assert "cannot run" not in gpuenv.choose_lock("550.54.15", "12.8").reason
+
+
+class _Done:
+    def __init__(self, rc, out):
+        self.returncode, self.stdout = rc, out
+
+
+def test_driver_version_reads_nvidia_smi_and_tolerates_its_absence():
+    seen = []
+
+    def smi(cmd, **kw):
+        seen.append(cmd)
+        return _Done(0, "550.54.15\n550.54.15\n")
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    assert gpuenv.driver_version(smi) == "550.54.15" and seen[0][0] == "nvidia-smi"
+    assert gpuenv.driver_version(missing) is None
+    assert gpuenv.driver_version(lambda cmd, **kw: _Done(9, "NVIDIA-SMI has failed")) is None
+
+
+def test_gpucheck_env_names_the_lock_and_needs_no_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(gpucheck, "driver_version", lambda: "535.104.05")
+    assert cli.main(["gpucheck", "--env"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA driver: 535.104.05" in out and "lock: requirements/gpu-cu12.lock" in out
+    monkeypatch.setattr(gpucheck, "driver_version", lambda: None)
+    assert cli.main(["gpucheck", "--env"]) == 0
+    assert "lock: no GPU lock" in capsys.readouterr().out
