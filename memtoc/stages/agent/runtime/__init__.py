@@ -32,7 +32,7 @@ Requirements per protocol (checked by :meth:`Runtime.check_protocols`): guided a
 named tool choice; auto_constrained needs in-process constrained decoding; auto and oracle run
 anywhere (after the call they ask for ``tool_choice="none"``; a runtime that does not enforce it may
 
-Modules (as ``memtoc/backends/``)
+Modules (as ``memtoc/generation/backends/``)
     ``base``         requests, responses, :class:`Runtime`, what each protocol needs
     ``render``       messages -> the text a model continues; replies -> calls
     ``constrained``  llguidance schema-constrained decoding of a call's arguments
