@@ -9,7 +9,7 @@ import pytest
 from memtoc.core.errors import ConfigError
 from memtoc.generation import decoding, models
 from memtoc.generation.backends import hf, vllm as vllm_backend
-from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
+from test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
 
 QWEN25_GENERATION_CONFIG = {  # Qwen2.5-7B-Instruct's generation_config.json on the hub
     "bos_token_id": 151643, "pad_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],

@@ -10,7 +10,7 @@ from memtoc.core.errors import ConfigError
 from memtoc.generation import hardware as gpuenv, models
 from memtoc.generation.backends import base, hf
 from memtoc.run import gpucheck
-from tests.test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
+from test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
 
 NO_GPU = gpuenv.CudaFacts(torch="2.13.0+cpu", built_for=None, available=False, devices=0)
 OLD_DRIVER = gpuenv.CudaFacts(torch="2.14.0", built_for="13.0", available=False, devices=0)
