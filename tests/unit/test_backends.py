@@ -85,7 +85,7 @@ def test_vllm_settings_and_order():
     assert vb.sampling_kwargs(48) == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 48, "n": 1}
     kw = vb.engine_kwargs("/m", "auto", None, {"gpu_memory_utilization": 0.5})
     assert kw["enable_prefix_caching"] is True and kw["gpu_memory_utilization"] == 0.5
-    assert "enable_lora" in vb.engine_kwargs("/m", "bfloat16", "/a", {})
+    assert "enable_lora" in vb.engine_kwargs("/m", "bfloat16", "/a", {"max_lora_rank": 16})
     assert vb.submission_order(["b x", "a y", "b w"]) == [1, 2, 0]
 
 

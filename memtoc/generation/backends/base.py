@@ -18,11 +18,10 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from memtoc.core import progress
+from memtoc.core import io as _io, progress
 from memtoc.core.errors import ConfigError, MemtocError
 from memtoc.generation import cache as _cache
 
@@ -327,10 +326,7 @@ def load_signature(backend: str, model: str, weights_sha256: str, adapter_sha256
     code = sorted(here.rglob("*.py")) + [here.parent / f for f in ("models.py", "cache.py", "templates.py", "weights.py")]
     versions = {}
     for name in _SIGNATURE_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+        versions[name] = _io.package_version(name)
     return json.loads(json.dumps({
         "backend": backend, "model": model, "weights_sha256": weights_sha256, "adapter_sha256": adapter_sha256,
         "load_args": load_args, "packages": versions, "cuda": bool(torch.cuda.is_available()),
