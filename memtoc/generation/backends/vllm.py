@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm
 
-from memtoc.generation.backends.base import Generator, Reply, truncate_reply
+from memtoc.generation.backends.base import Generator, Reply, line_stop, truncate_reply
 from memtoc.generation.backends.openai import BackendError
 from memtoc.generation.decoding import DecodingPolicy, batch_invariant_on, read_policy, set_batch_invariant_env
 from memtoc.generation.hardware import auto_dtype_name
@@ -46,6 +46,9 @@ def vllm_dtype(dtype: str, cuda: bool = True) -> str:
         return auto_dtype_name(False)
     return {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}[dtype]
 
+
+#: the stop string at which each request pauses while a line rule is on (:meth:`VLLMGenerator._complete`)
+LINE_END = "\n"
 
 #: the share of host memory a CPU engine reserves for its KV cache (vLLM's ``gpu_memory_utilization``)
 CPU_MEMORY_FRACTION = 0.25
@@ -182,9 +185,40 @@ class VLLMGenerator(Generator):
             **({"batch_invariant": True} if self.batch_invariant else {}),
         })
 
-    def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
+    def _complete(self, reqs: list[dict[str, Any]]) -> tuple[list[list[int]], list[tuple[Any, Any]]]:
+        """Generate each request to its end: EOS, the token budget or memtoc's line rule. The line rules
+        are applied inside vLLM, where the transformers backend applies them: every request stops at its
+        next line end (a ``"\\n"`` stop string) and only the ones whose rule is not yet met go on,
+        continuing from their own tokens (prefix caching keeps the prompt), so a reply ends on the same
+        token as there and its token count is comparable. Returns the new token ids and the last
+        ``(finish_reason, stop_reason)`` of each request."""
         from vllm import SamplingParams
-        sp = SamplingParams(**sampling_kwargs(self.max_new_tokens, self.seed, self.policy))
+        line_rules = self.stop_at_final or self.stop_at_first_line
+        base = sampling_kwargs(self.max_new_tokens, self.seed, self.policy)
+        if line_rules:
+            base.update(stop=[LINE_END], include_stop_str_in_output=True)
+        new_ids: list[list[int]] = [[] for _ in reqs]
+        ends: list[tuple[Any, Any]] = [(None, None)] * len(reqs)
+        todo = list(range(len(reqs)))
+        while todo:
+            batch = [{"prompt_token_ids": reqs[i]["prompt_token_ids"] + new_ids[i]} for i in todo]
+            params = [SamplingParams(**{**base, "max_tokens": self.max_new_tokens - len(new_ids[i])}) for i in todo]
+            outs = self.llm.generate(batch, params, use_tqdm=False, lora_request=self.lora)
+            going = []
+            for i, o in zip(todo, outs):
+                c = o.outputs[0]
+                new_ids[i].extend(c.token_ids)
+                ends[i] = (c.finish_reason, getattr(c, "stop_reason", None))
+                if line_rules and ends[i][1] == LINE_END and len(new_ids[i]) < self.max_new_tokens \
+                        and line_stop(self._decode(new_ids[i]), self.stop_at_final, self.stop_at_first_line) is None:
+                    going.append(i)
+            todo = going
+        return new_ids, ends
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _generate_batches(self, prompts: list[str], desc: Optional[str]) -> Iterator[tuple[list[int], list[Reply]]]:
         order = submission_order(prompts)
         bar = tqdm(total=len(prompts), desc=desc or f"generate {self.spec.label}", unit="req",
                    disable=not self.show_progress, leave=False)
@@ -193,19 +227,19 @@ class VLLMGenerator(Generator):
                 idx = order[k:k + self.chunk]
                 reqs = build_requests(self.tokenizer, self.spec, [prompts[i] for i in idx])
                 t0 = time.perf_counter()
-                outs = self.llm.generate(reqs, sp, use_tqdm=False, lora_request=self.lora)
+                new_ids, ends = self._complete(reqs)
                 dt = time.perf_counter() - t0
                 replies = []
-                for req, o in zip(reqs, outs):
-                    c = o.outputs[0]
-                    text, finish = c.text, ("eos" if c.finish_reason == "stop" else c.finish_reason or "")
+                for req, ids, (reason, stop_reason) in zip(reqs, new_ids, ends):
+                    # decoded as the transformers backend decodes (vLLM's text stops at the stop string)
+                    text = self._decode(ids)
+                    finish = "eos" if reason == "stop" and stop_reason != LINE_END else reason or ""
                     cut, rule = truncate_reply(text, self.stop_at_final, self.stop_at_first_line)
-                    if rule and cut != text:
+                    if rule:
                         text, finish = cut, rule
                     replies.append(Reply(text=text, n_prompt_tokens=len(req["prompt_token_ids"]),
-                                         n_new_tokens=new_token_count(c.token_ids, c.finish_reason, getattr(c, "stop_reason", None),
-                                                                      self.eos_ids), seconds=dt / len(idx), key="",
-                                         cached=False, finish=finish))
+                                         n_new_tokens=new_token_count(ids, reason, stop_reason, self.eos_ids),
+                                         seconds=dt / len(idx), key="", cached=False, finish=finish))
                 bar.update(len(idx))
                 yield idx, replies
         finally:
