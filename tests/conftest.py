@@ -17,8 +17,12 @@ from typing import Callable, Mapping, Optional, Union
 
 import pytest
 
-from memtoc.data.benchmark import load_benchmark
-from memtoc.generation.backends.base import Generator, Reply
+from memtoc.generation.hardware import passive_openmp_waits
+
+passive_openmp_waits()   # as memtoc's entry points do, before anything imports torch
+
+from memtoc.data.benchmark import load_benchmark  # noqa: E402
+from memtoc.generation.backends.base import Generator, Reply  # noqa: E402
 
 Script = Union[Callable[[str], str], Mapping[str, str]]
 

@@ -10,6 +10,9 @@ import importlib
 import sys
 
 from memtoc.core.errors import MemtocError
+from memtoc.generation.hardware import passive_openmp_waits
+
+passive_openmp_waits()   # before a command imports torch
 
 COMMANDS = {
     "run": ("memtoc.cli.run", "execute the numbered notebooks with papermill: memtoc run PARAMS.yaml "

@@ -20,6 +20,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from memtoc.core.errors import ConfigError
 
+
+def passive_openmp_waits() -> None:
+    """OpenMP threads sleep instead of spinning while they wait (``OMP_WAIT_POLICY=PASSIVE``; an explicit
+    setting wins). OpenMP reads it once, when torch starts, so memtoc's entry points call this before
+    anything imports torch; importing a memtoc module as a library leaves it alone. On a 2-core machine
+    under load a float32 linear layer with two spinning threads took 8.8 ms per call against 0.19 ms with
+    passive waits (576x1536, one row)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 if TYPE_CHECKING:      # annotations only: gpuenv/servers sit below the run configuration
     from memtoc.config.runconfig import RunConfig
 

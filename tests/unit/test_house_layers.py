@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,29 @@ if __name__ == "__main__":
         print(f"{rule}: {len(items)}")
         for item in items:
             print(f"  {item}")
+
+
+def test_no_test_folder_shadows_an_importable_package():
+    """pytest puts tests/ on sys.path (pyproject's pythonpath): a folder there named like a package
+    (tests/vllm/) would be imported as that package, and every ``importorskip`` of it would run."""
+    from importlib.metadata import packages_distributions
+    taken = set(packages_distributions()) | set(sys.stdlib_module_names) | {"vllm", "llama_cpp", "sae_lens"}
+    tests = ROOT / "tests"
+    shadows = sorted(d.name for d in tests.iterdir() if d.is_dir() and d.name in taken)
+    assert shadows == [], f"tests/{shadows[0] if shadows else ''}: rename it (it shadows the package)"
+
+
+def test_importing_memtoc_changes_no_process_setting():
+    """A library import leaves the environment alone; the entry points (memtoc.run, the CLI) set passive
+    OpenMP waits before torch starts."""
+    import subprocess
+    code = ("import os, sys; import memtoc, memtoc.core.scoring, memtoc.generation.models; "
+            "a = os.environ.get('OMP_WAIT_POLICY'); import memtoc.run; b = os.environ.get('OMP_WAIT_POLICY'); "
+            "print(a, b, 'torch' in sys.modules)")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split()[:2] == ["None", "PASSIVE"], out
+    # the entry points reach the setting without importing torch first (OpenMP reads it when torch starts)
+    code = "import sys, memtoc.run, memtoc.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=True).stdout.split() == ["False"]

@@ -245,6 +245,12 @@ def test_steering_cell_and_bar():
     b = ST.prompting_bar(ev, "m")
     assert b["arm"] == "prior" and abs(b["bar"] - 0.15) < 1e-12
     assert ST.prompting_bar({}, "m")["bar"] is None
+    # every prompting arm of the vocabulary takes part (a new arm cannot drop out of the bar)
+    from memtoc.core.vocab import PROMPTING_ARMS
+    for best in PROMPTING_ARMS:
+        ev = {"models": {"m": {"prompting": {a: {"contrasts": {"wrong_follow": {"delta": -0.5 if a == best else -0.1}}}
+                                             for a in PROMPTING_ARMS}}}}
+        assert ST.prompting_bar(ev, "m")["arm"] == best
     assert ST.degeneration("a b c d a b c d a b c d")["repetition"]
     assert ST.degeneration('{"parameters": 1}\nFINAL: x')["schema_echo"]
 

@@ -29,6 +29,7 @@ import torch
 
 from memtoc.core.scoring import has_final_line, score_reply
 from memtoc.core.stats import clopper_pearson
+from memtoc.core.vocab import PROMPTING_ARMS
 from memtoc.generation.backends.base import Generator, Reply, line_stop
 from memtoc.generation.backends.hf import cache_keyword
 from memtoc.generation.templates import render_prompt
@@ -256,10 +257,10 @@ def cell(direction: str, base: Sequence[dict], steered: Sequence[dict], bar: Opt
             "clears_bar": None if (bar is None or versus is None) else bool(versus >= bar and versus > 0)}
 
 
-def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = ("warn", "flag", "prior")
-                  ) -> dict[str, Any]:
+def prompting_bar(evaluation_summary: dict, model: str, arms: Sequence[str] = PROMPTING_ARMS) -> dict[str, Any]:
     """The paper's stopping bar: half the run's own prompting effect, the largest pooled reduction
-    in wrong-tool following (notebook 03's ``prompting/<arm>/contrasts/wrong_follow/delta``)."""
+    in wrong-tool following (notebook 03's ``prompting/<arm>/contrasts/wrong_follow/delta``), over every
+    prompting arm of the vocabulary (a tie goes to the earlier arm there)."""
     p = ((evaluation_summary.get("models") or {}).get(model) or {}).get("prompting") or {}
     deltas = {}
     for a in arms:

@@ -2,7 +2,7 @@
 memtoc's transformers backend: the same prompt tokens and greedy settings must give the same replies
 in float32. Run inside that environment:
 
-    .venv-vllm/bin/python -m pytest tests/vllm -q
+    .venv-vllm/bin/python -m pytest tests/vllm_cpu -q
 
 Elsewhere (no vLLM) the module is skipped with one line. A difference prints the first differing
 episode. Each engine start costs about a minute of CPU, so the engines are module-scoped.
@@ -72,6 +72,45 @@ def test_one_request_per_call_equals_the_whole_batch(prompts):
     finally:
         gen.close()
     assert one == whole, first_difference(one, whole, prompts)
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory):
+    """A real rank-16 SFT adapter from two of 04's training steps (trl + peft), at a learning rate high
+    enough that its replies differ from the base model's."""
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    from memtoc.data.benchmark import select_questions
+    from memtoc.stages.finetune.data import training_examples
+    from memtoc.stages.finetune.training import train_adapter
+    cfg = RunConfig.of(load_params("params/default.yaml", overrides={
+        "finetune": {"max_steps": 2, "batch_size": 4, "learning_rate": 5e-3, "train_dtype": "float32"}}))
+    questions = select_questions(load_benchmark(cfg.release_dir).analysis, 8)
+    out = tmp_path_factory.mktemp("adapter") / "sft"
+    spec = models.get_model("smollm2-135m-instruct")
+    rec = train_adapter(models.prepare_model(spec.name), spec, training_examples(questions, ["reference"]), "sft",
+                        cfg.finetune, out, progress=False)
+    assert rec["status"] == "finished" and rec["steps"] == 2
+    return out
+
+
+def test_lora_request_equals_the_merged_adapter(trained_adapter, prompts):
+    """(b) The adapter served by vLLM (``LoRARequest``, no merge, max_lora_rank from the adapter) gives the
+    replies of the transformers backend with the adapter merged into the weights."""
+    few = prompts[:16]
+    base, _ = _texts(models.load_generator("smollm2-135m-instruct", dtype="float32", show_progress=False), few)
+    merged, m_tok = _texts(models.load_generator("smollm2-135m-instruct", adapter=trained_adapter, dtype="float32",
+                                                 show_progress=False), few)
+    assert merged != base, "the adapter changes no reply: the comparison would not test LoRA serving"
+    gen = models.load_generator("smollm2-135m-instruct", backend="vllm", adapter=trained_adapter, dtype="float32",
+                                show_progress=False)
+    assert gen.llm is not None and gen.lora is not None
+    served, s_tok = _texts(gen, few)
+    same = sum(x == y for x, y in zip(served, merged))
+    print(f"LoRA: {same}/{len(few)} replies identical (served vs merged); {sum(x != y for x, y in zip(merged, base))} "
+          "differ from the base model")
+    assert same == len(few), first_difference(served, merged, few)
+    assert s_tok == m_tok
 
 
 def test_the_engine_starts_with_memtocs_cpu_settings(tmp_path):
