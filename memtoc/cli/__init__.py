@@ -24,6 +24,7 @@ COMMANDS = {
     "gpucheck": ("memtoc.run.gpucheck", "check the transformers path on this GPU (tiny random models + an 8B DPO step): memtoc gpucheck [--tiny]; "
                                     "which GPU lock fits: memtoc gpucheck --env"),
     "merge": ("memtoc.run.merge", "one run from runs that each ran some models (one per GPU): memtoc merge OUT RUN_A RUN_B ..."),
+    "export": ("memtoc.run.export", "a run's scored replies as a dataset (Parquet + card): memtoc export RUN_DIR OUT"),
     "verify": ("memtoc.cli.verify", "re-derive every claim of a run: memtoc verify RUN_DIR"),
     "transfer": ("memtoc.stages.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
     "init": ("memtoc.cli.init", "make a project folder (notebooks, params, paper) for an installed memtoc: memtoc init DIR"),
