@@ -68,28 +68,36 @@ def test_openai_backend_on_the_vllm_server(vllm_server, prompts, tmp_path):  # n
 
 
 def test_agent_runtime_on_the_vllm_server(vllm_server, tmp_path):
-    """(d) The agent loop's ``runtime: openai`` on vLLM: detected as vLLM, every protocol accepted (vLLM
-    honours ``tool_choice``), and guided / auto / two_stage episodes end in a known termination with
-    native tool calls parsed by the server."""
+    """(d) The agent loop's ``runtime: openai`` on vLLM: detected as vLLM; the protocols a server can run
+    for SmolLM2 (auto, oracle) end in a known termination, the oracle's call is executed, and the first
+    replies are the in-process runtime's (same rendering, greedy). SmolLM2's own chat template ignores
+    tools, so memtoc renders them as text and refuses the protocols that need the server to force a call
+    (guided, two_stage) and the in-process repair arm (auto_constrained)."""
     base, path = vllm_server
     rt = runtime.OpenAIRuntime(path, base_url=base, served_model=path, max_tokens_per_call=48,
                                cache_dir=tmp_path / "cache", concurrency=2)
+    local = runtime.TransformersRuntime(MODEL, max_tokens_per_call=48, cache_dir=tmp_path / "local")
     try:
-        assert rt.server == "vllm"
-        rt.check_protocols(["guided", "auto", "two_stage", "oracle", "auto_constrained"])
+        assert rt.server == "vllm" and rt.honors_tool_choice
+        for p in ("guided", "two_stage", "auto_constrained"):
+            with pytest.raises(runtime.ProtocolUnsupported, match=p):
+                rt.check_protocols(["auto", p])
+        rt.check_protocols(["auto", "oracle"])
         qs = select_questions(load_benchmark().analysis, 3)
         tr = traces.Trace(tmp_path / "traces.jsonl")
-        specs = specs_for(qs, "guided", model=path) + specs_for(qs, "auto", model=path) \
-            + specs_for(qs, "two_stage", model=path)
+        specs = specs_for(qs, "auto", model=path) + specs_for(qs, "oracle", model=path)
         res = run_episodes(rt, specs, tr)
+        first = [local.chat(s.messages(), s.tools, "auto", 48) for s in specs[:3]]
     finally:
         rt.close()
-    assert all(r["termination"] in TERMINATIONS for r in res["records"])
-    guided = [r for r in res["records"] if r["protocol"] == "guided"]
-    # a named tool_choice: vLLM constrains the reply to the tool's schema, so every guided episode calls
-    assert len(guided) == 3 and all(r["call_attempted"] and r["executed"] for r in guided), guided
+        local.close()
+    recs = res["records"]
+    assert len(recs) == 6 and all(r["termination"] in TERMINATIONS for r in recs)
+    assert all(r["executed"] for r in recs if r["protocol"] == "oracle")
     events, _ = tr.read_events()
-    native = [e for e in events if e["event"] == "response" and e.get("calls")]
-    print(f"vLLM server: {len(native)} responses carried tool calls; terminations "
-          f"{sorted({r['termination'] for r in res['records']})}")
-    assert {e["episode"] for e in native} >= {s.key for s in specs[:3]}
+    served = [next(e for e in events if e["event"] == "response" and e["episode"] == s.key) for s in specs[:3]]
+    same = sum(a.text.rstrip() == b["text"].rstrip() or a.text.startswith(b["text"].rstrip())
+               or b["text"].startswith(a.text.rstrip()) for a, b in zip(first, served))
+    print(f"vLLM server, agent runtime: {same}/3 first replies agree with the in-process runtime; terminations "
+          f"{sorted({r['termination'] for r in recs})}")
+    assert same == 3, [(a.text, b["text"]) for a, b in zip(first, served)]
