@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -666,3 +667,20 @@ def test_constrained_cache_key_is_the_one_written_before(tmp_path):
     cache = runtime.ReplyCache(path)
     assert cache.get(old)["text"] == "x" and cache.get_many([old, "other"]).keys() == {old}
     assert runtime.ReplyCache(None).get(old) is None
+
+
+@pytest.mark.parametrize("paths, kind", [
+    # vLLM 0.32's server also serves /v1/systemone: its own paths decide first
+    ({"/tokenize", "/version", "/v1/systemone", "/v1/chat/completions"}, "vllm"),
+    ({"/v1/tokenize", "/v1/chat/completions"}, "vllm"),
+    ({"/load_model", "/v1/systemone", "/v1/chat/completions"}, "transformers"),
+    ({"/v1/chat/completions"}, "other"),
+])
+def test_the_server_kind_comes_from_its_openapi_paths(paths, kind):
+    from memtoc.stages.agent.runtime.server import detect_server
+
+    class _Session:
+        def get(self, url, timeout):
+            assert url == "http://127.0.0.1:9/openapi.json"
+            return types.SimpleNamespace(status_code=200, json=lambda: {"paths": {p: {} for p in paths}})
+    assert detect_server("http://127.0.0.1:9/v1", session=_Session()) == kind

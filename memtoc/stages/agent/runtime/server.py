@@ -31,8 +31,8 @@ SERVERS = ("auto", "vllm", "transformers", "other")
 
 def detect_server(base_url: str, session=None, timeout: float = 10.0) -> str:
     """``vllm`` | ``transformers`` | ``other``, from the server's OpenAPI paths (FastAPI serves
-    ``/openapi.json``): ``transformers serve`` has ``/load_model`` and ``/v1/systemone``, vLLM
-    ``/tokenize`` and ``/version``."""
+    ``/openapi.json``): vLLM has ``/tokenize`` and ``/version``, ``transformers serve`` ``/load_model`` or
+    ``/v1/systemone``. vLLM is checked first: vLLM 0.32 serves ``/v1/systemone`` too."""
     s = session or requests
     root = re.sub(r"/v1/?$", "", base_url.rstrip("/"))
     try:
@@ -40,10 +40,10 @@ def detect_server(base_url: str, session=None, timeout: float = 10.0) -> str:
         paths = set((r.json() or {}).get("paths", {})) if r.status_code == 200 else set()
     except (requests.RequestException, ValueError):
         paths = set()
-    if {"/load_model", "/v1/systemone"} & paths:
-        return "transformers"
     if {"/tokenize", "/version"} <= paths or "/v1/tokenize" in paths:
         return "vllm"
+    if {"/load_model", "/v1/systemone"} & paths:
+        return "transformers"
     return "other"
 
 
