@@ -18,16 +18,15 @@ are the run's summary numbers (tests/unit/test_export.py).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import pandas as pd
 
 from memtoc.config.runconfig import RunPaths
 from memtoc.core.errors import DataError
-from memtoc.core.io import atomic_write_text
+from memtoc.core.io import atomic_write_text, sha256_file, sha256_text
 
 #: what each exported column holds; a column without a line here is refused (the card names every column)
 EPISODE_COLUMNS: dict[str, str] = {
@@ -93,10 +92,6 @@ class ExportError(DataError):
     """A run cannot be exported as it is (nothing scored, an undocumented column)."""
 
 
-def _sha(text: Any) -> Optional[str]:
-    return hashlib.sha256(str(text).encode("utf-8")).hexdigest() if isinstance(text, str) else None
-
-
 def _read_jsonl_frames(paths: Sequence[Path]) -> pd.DataFrame:
     frames = [pd.read_json(p, lines=True, dtype=False) for p in paths if p.stat().st_size]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -119,7 +114,7 @@ def episode_table(run_dir: Path) -> pd.DataFrame:
     if df.empty:
         raise ExportError(f"{paths.scored_dir('scored')}: no scored episodes; run notebook 03_evaluation first")
     df = df.copy()
-    df["prompt_sha256"] = df.pop("prompt").map(_sha) if "prompt" in df else None
+    df["prompt_sha256"] = df.pop("prompt").map(lambda t: sha256_text(t) if isinstance(t, str) else None) if "prompt" in df else None
     for c in JSON_COLUMNS:
         if c in df:
             df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and pd.isna(v))
@@ -137,8 +132,8 @@ def closed_book_table(run_dir: Path) -> pd.DataFrame:
 
 
 def _card(run_dir: Path, episodes: pd.DataFrame, closed: pd.DataFrame) -> str:
-    cfg = json.loads(RunPaths(run_dir).config_json.read_text(encoding="utf-8")) \
-        if RunPaths(run_dir).config_json.is_file() else {}
+    config_json = RunPaths(run_dir).config_json
+    cfg = json.loads(config_json.read_text(encoding="utf-8")) if config_json.is_file() else {}
     prov = cfg.get("provenance") or {}
     params = cfg.get("params") or {}
     keep = ("run_name", "models", "backend", "dtype", "max_new_tokens", "formulations", "n_questions",
@@ -177,7 +172,7 @@ def export_run(run_dir, out) -> dict[str, Any]:
     episodes.to_parquet(out / "episodes.parquet", index=False)
     closed.to_parquet(out / "closed_book.parquet", index=False)
     atomic_write_text(out / "README.md", _card(run_dir, episodes, closed))
-    sums = {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in FILES}
+    sums = {f: sha256_file(out / f) for f in FILES}
     atomic_write_text(out / "SHA256SUMS", "".join(f"{h}  {f}\n" for f, h in sums.items()))
     return sums
 
