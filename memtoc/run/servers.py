@@ -4,7 +4,8 @@ A run may talk to up to three servers: the generation backend (``backend: openai
 (``judge.backend: openai``) and the agent loop's runtime (``agent.runtime: openai``). Each is asked
 for ``GET <base_url>/models`` with a short timeout before any work starts, so that a dead or wrong
 ``base_url`` fails ``memtoc run`` in seconds, in one line naming the setting and the URL, instead
-of after the earlier notebooks have run. ``memtoc run --dry-run`` reports the same check.
+of after the earlier notebooks have run. A server memtoc starts itself (``agent.runtime_options.launch``)
+is not contacted here. ``memtoc run --dry-run`` reports the same check.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def configured_servers(cfg: RunConfig) -> list[Server]:
         out.append(_server(cfg.backend_options, "backend_options.base_url"))
     if cfg.judge is not None and cfg.judge.backend == "openai":
         out.append(_server(cfg.judge.backend_options, "judge.backend_options.base_url"))
-    if cfg.agent.enabled and cfg.agent.runtime == "openai":
+    if cfg.agent.enabled and cfg.agent.runtime == "openai" and cfg.agent.runtime_options.get("launch") is None:
         out.append(_server(cfg.agent.runtime_options, "agent.runtime_options.base_url"))
     return out
 

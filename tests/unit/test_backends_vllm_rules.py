@@ -105,7 +105,7 @@ class _ScriptedVLLM(types.ModuleType):
     def __init__(self, tokenizer, script: str, eos: int):
         super().__init__("vllm")
         fake = self
-        fake.engines, fake.calls = [], []
+        fake.engines, fake.calls, fake.loras = [], [], []
         ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [eos]
 
         class LLM:
@@ -115,6 +115,7 @@ class _ScriptedVLLM(types.ModuleType):
 
             def generate(self, reqs, params, use_tqdm=False, lora_request=None):
                 fake.calls.append(len(reqs))
+                fake.loras.append(lora_request)
                 outs = []
                 for req, sp in zip(reqs, params if isinstance(params, list) else [params] * len(reqs)):
                     n = len(req["prompt_token_ids"])
@@ -143,6 +144,10 @@ class _ScriptedVLLM(types.ModuleType):
 
 def _fake_vllm(monkeypatch, fake):
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, n, path: types.SimpleNamespace(name=name, id=n, path=path)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
     monkeypatch.setattr(sys, "meta_path", [_Finder(fake)] + sys.meta_path)
     monkeypatch.setenv(hardware.CPU_BF16_ENV, "0")
     monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "0")
@@ -202,3 +207,74 @@ def test_line_rules_stop_inside_the_engine(tiny_model_dir, monkeypatch, rules, s
     assert reply.n_new_tokens == expect < len(ids)
     # one engine call per line end up to the rule's, each with the requests still going
     assert len(fake.calls) == sum("\n" in tok.decode([t]) for t in ids[:expect]) >= 2
+
+
+def _peft_dir(tmp_path, name, r):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"r": r, "rank_pattern": {}, "name": name}))
+    (d / "adapter_model.safetensors").write_bytes(name.encode())
+    return d
+
+
+def test_adapters_are_served_on_the_base_models_engine(tiny_model_dir, monkeypatch, tmp_path):  # noqa: F811
+    """04's vLLM evaluation: one engine started with LoRA serves the base model (no LoRARequest) and each
+    adapter (its own LoRARequest id and path); an adapter's identity is the one a generator loaded with
+    ``adapter=`` has; closing an adapter leaves the engine; an engine without LoRA, or at a lower rank,
+    refuses the adapter with the options to set."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fake = _ScriptedVLLM(tok, "FINAL: Paris", tok.eos_token_id)
+    _fake_vllm(monkeypatch, fake)
+    spec = models.get_model("smollm2-135m-instruct")
+    a8, a16, a64 = (_peft_dir(tmp_path, f"a{r}", r) for r in (8, 16, 64))
+    try:
+        gen = vb.VLLMGenerator(spec, tiny_model_dir, max_new_tokens=8, show_progress=False,
+                               enable_lora=True, max_lora_rank=16)
+        s8, s16 = gen.with_adapter(a8), gen.with_adapter(a16)
+        for g in (gen, s8, s16):
+            g.generate(["What is the capital of France?"])
+        assert len(fake.engines) == 1 and fake.engines[0]["enable_lora"] is True
+        base_req, r8, r16 = fake.loras
+        assert base_req is None and (r8.path, r16.path) == (str(a8), str(a16)) and r8.id != r16.id
+        own = vb.VLLMGenerator(spec, tiny_model_dir, adapter=a8, max_new_tokens=8, show_progress=False)
+        assert s8.identity == own.identity != gen.identity
+        assert {k: v for k, v in s8.identity.items() if k != "adapter_sha256"} == \
+            {k: v for k, v in gen.identity.items() if k != "adapter_sha256"}
+        s8.close()
+        assert gen.llm is not None and s16.llm is not None         # the engine stays with its owner
+        with pytest.raises(BackendError, match="max_lora_rank: 64"):
+            gen.with_adapter(a64)
+        plain = vb.VLLMGenerator(spec, tiny_model_dir, max_new_tokens=8, show_progress=False)
+        with pytest.raises(BackendError, match="enable_lora: true"):
+            plain.with_adapter(a8)
+    finally:
+        sys.modules.pop("vllm", None)
+
+
+def test_a_lazy_adapter_loads_the_base_engine_only_on_a_cache_miss(tiny_model_dir, monkeypatch, tmp_path):  # noqa: F811
+    """``models.adapter_generator`` on a lazy base: cached replies need no engine; a miss starts the base
+    model's engine once, for the base model and the adapter together."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fake = _ScriptedVLLM(tok, "FINAL: Paris", tok.eos_token_id)
+    _fake_vllm(monkeypatch, fake)
+    spec = models.get_model("smollm2-135m-instruct")
+    ad = _peft_dir(tmp_path, "a8", 8)
+    kwargs = dict(max_new_tokens=8, show_progress=False, enable_lora=True, max_lora_rank=8)
+
+    def lazy():
+        return base.LazyGenerator.of(vb.VLLMGenerator, (spec, tiny_model_dir), kwargs, {"test": "lora", **kwargs},
+                                     tmp_path / "ids")
+    try:
+        first = lazy()
+        models.adapter_generator(first, ad).generate(["Q?"], cache_path=tmp_path / "a.jsonl")
+        first.generate(["Q?"], cache_path=tmp_path / "b.jsonl")
+        assert len(fake.engines) == 1 and [r is None for r in fake.loras] == [False, True]
+        again = lazy()
+        (r,) = models.adapter_generator(again, ad).generate(["Q?"], cache_path=tmp_path / "a.jsonl")
+        assert r.cached and not again.loaded and len(fake.engines) == 1
+        with pytest.raises(models.ModelError, match="does not exist"):
+            models.adapter_generator(again, tmp_path / "missing")
+    finally:
+        sys.modules.pop("vllm", None)

@@ -81,6 +81,34 @@ def test_paper_params_give_04_transformers_options_only():
         RunConfig.of(load_params(None, overrides={"finetune": {"backend_options": [1]}})).finetune
 
 
+def test_eval_backend_vllm_serves_the_adapters_on_one_engine():
+    """``finetune.eval_backend: vllm``: the vLLM backend with LoRA serving at the rank of the stage's
+    adapters (lora_r rounded up to a rank vLLM accepts); a vLLM run's engine options are kept (the same
+    engine as 03's), a transformers run's options are not carried over; anything else is refused."""
+    import inspect
+
+    from memtoc.generation.backends.vllm import VLLMGenerator
+    with pytest.raises(ConfigError, match=r"finetune.backend_options.*\['token_budget'\] are options of the transformers"):
+        RunConfig.load("params/paper.yaml", overrides={"finetune": {"eval_backend": "vllm"}})
+    P = RunConfig.load("params/paper.yaml", overrides={"finetune": {"eval_backend": "vllm", "lora_r": 12,
+                                                                    "backend_options": None}})
+    kw = F.eval_generator_kwargs(P)
+    assert kw["backend"] == "vllm" and kw["enable_lora"] is True and kw["max_lora_rank"] == 16
+    assert kw["gpu_memory_utilization"] == 0.85 and kw["dtype"] == "bfloat16"
+    assert F.shares_engine(kw) and not F.shares_engine(F.eval_generator_kwargs(RunConfig.load("params/paper.yaml")))
+    accepted = set(inspect.signature(VLLMGenerator.__init__).parameters) | {"model_cache_dir", "backend",
+                                                                           "enable_lora", "max_lora_rank",
+                                                                           "gpu_memory_utilization", "max_model_len"}
+    assert set(kw) <= accepted, set(kw) - accepted
+    Pt = RunConfig.load(None, overrides={"backend_options": {"token_budget": 4096},
+                                      "finetune": {"eval_backend": "vllm"}})
+    assert "token_budget" not in F.eval_generator_kwargs(Pt)
+    smoke = RunConfig.load("params/smoke-vllm.yaml")
+    assert smoke.backend == "vllm" and smoke.finetune.eval_backend == "vllm"
+    with pytest.raises(ConfigError, match="finetune.eval_backend.*transformers .*or vllm"):
+        RunConfig.of(load_params(None, overrides={"finetune": {"eval_backend": "openai"}})).finetune
+
+
 def test_warmup_reaches_the_trainer_as_a_ratio(tmp_path):
     assert F.warmup_kwargs(0.1, "4.46.0") == {"warmup_ratio": 0.1, "warmup_steps": 0}
     assert F.warmup_kwargs(0.1, "5.0.0") == {"warmup_steps": 0.1}

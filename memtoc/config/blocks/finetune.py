@@ -1,18 +1,22 @@
 """The ``finetune`` block (notebook 04; params/finetune.yaml documents it)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from memtoc.config.blocks.base import Block, Fail, as_list, is_int, is_num
 from memtoc.core.errors import ordered_subset
 from memtoc.core.vocab import ARM_CONDITIONS, FORMULATIONS, OBJECTIVES
+from memtoc.generation.backends.hf import TransformersGenerator
+from memtoc.generation.backends.vllm import VLLMGenerator
 from memtoc.generation.models import ModelError, get_model
 
 EVAL_CONDITIONS = ARM_CONDITIONS                  # tool_right, tool_wrong, tool_error
 LR_SCHEDULERS = ("linear", "constant", "cosine", "constant_with_warmup")
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")
 EVAL_DTYPES = (None, "auto", "bfloat16", "float32", "float16")
+EVAL_BACKENDS = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,14 @@ class FinetuneConfig(Block):
     eval_dtype: Optional[str] = None           # dtype of the untreated AND adapter replies in this stage (None: the
                                                # run's dtype). bf16 rounding noise is as large as a small adapter's
                                                # effect on the logits; float32 isolates the adapter (finetune.yaml)
-    backend_options: dict = field(default_factory=dict)   # options of this stage's transformers generators
-                                               # (untreated and adapters), e.g. {token_budget: 32768}; laid over the
-                                               # run's backend_options when the run uses transformers, else used
-                                               # alone (04 always generates with transformers: eval_generator_kwargs)
+    eval_backend: str = "transformers"         # the backend of this stage's replies (untreated and adapters):
+                                               # transformers (each adapter merged into its own model) or vllm (one
+                                               # engine per model serves the base model and every adapter through
+                                               # LoRARequest, no merge; 03's untreated replies are reused from the cache)
+    backend_options: dict = field(default_factory=dict)   # options of this stage's generators (untreated and
+                                               # adapters), e.g. {token_budget: 32768}; laid over the run's
+                                               # backend_options when the run uses the same backend, else used
+                                               # alone (eval_generator_kwargs)
     exclude_linked: bool = False               # true: drop from each fold's training data the questions linked to a
                                                # question of the other fold (one's gold is the other's subject:
                                                # construct.related_links). false = the paper's folds as released
@@ -153,10 +161,23 @@ def _training(f: dict, fail: Fail) -> None:
 
 
 def _evaluation(f: dict, fail: Fail) -> None:
+    if f["eval_backend"] not in EVAL_BACKENDS:
+        fail("eval_backend", f"must be transformers (merged adapters) or vllm (LoRA serving on one engine), "
+                             f"got {f['eval_backend']!r}")
     if f["eval_dtype"] not in EVAL_DTYPES:
         fail("eval_dtype", f"must be null (the run's dtype), auto, bfloat16, float32 or float16, got {f['eval_dtype']!r}")
     if f["backend_options"] is None:
         f["backend_options"] = {}
     if not isinstance(f["backend_options"], dict):
-        fail("backend_options", "must be a mapping of transformers backend options (e.g. {token_budget: 32768}), "
+        fail("backend_options", "must be a mapping of backend options (e.g. {token_budget: 32768}), "
              f"got {f['backend_options']!r}")
+    if f["eval_backend"] == "vllm":
+        bad = sorted(set(f["backend_options"]) & _transformers_only_options())
+        if bad:
+            fail("backend_options", f"{bad} are options of the transformers backend, and eval_backend is vllm; "
+                                    "remove them (vLLM takes vllm.LLM's arguments, e.g. {max_model_len: 4096})")
+
+
+def _transformers_only_options() -> set[str]:
+    return set(inspect.signature(TransformersGenerator.__init__).parameters) - \
+        set(inspect.signature(VLLMGenerator.__init__).parameters)

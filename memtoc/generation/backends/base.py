@@ -235,6 +235,12 @@ class LazyGenerator(Generator):
             raise ConfigError(f"{backend_cls.backend} backend: {e}; its options are: {', '.join(valid)}") from None
         return cls(lambda: backend_cls(*args, **kwargs), signature, store, backend_cls.backend)
 
+    def derived(self, factory: Callable[[], Generator], **signature: Any) -> "LazyGenerator":
+        """A lazy generator built on this one (e.g. an adapter on its loaded engine), whose signature is
+        this one's with ``signature`` laid over it; its identity is recorded in the same store."""
+        store = self._store.parent if self._store is not None else None
+        return LazyGenerator(factory, {**self.signature, **signature}, store, self.backend)
+
     @property
     def loaded(self) -> bool:
         return self._real is not None

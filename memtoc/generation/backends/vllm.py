@@ -12,7 +12,8 @@ Options (``load_generator(..., backend="vllm", **options)``): ``stop_at_final`` 
 reply is cut after its first completed FINAL line, as in the other backends), ``chunk`` (requests
 per ``LLM.generate`` call, default 4096: each chunk is written to the cache when it finishes), and
 any ``vllm.LLM`` keyword (``gpu_memory_utilization``, ``max_model_len``, ``tensor_parallel_size``...).
-A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``).
+A LoRA ``adapter`` is served through ``LoRARequest`` (``enable_lora=True``); an engine started with
+``enable_lora=True`` serves further adapters without a second engine (:meth:`VLLMGenerator.with_adapter`).
 
 Decoding follows :mod:`memtoc.generation.decoding`: greedy with the model's generation-config penalties, as the
 transformers backend. ``batch_invariant`` (``auto`` | true | false; ``auto`` = on where the GPU
@@ -21,6 +22,7 @@ replies do not depend on the batch; it is part of the cache identity.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import time
@@ -68,9 +70,14 @@ def lora_rank(adapter: str | Path) -> int:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BackendError(f"{path}: cannot read the adapter's LoRA rank 'r' ({e}); a peft LoRA adapter folder "
                            "holds adapter_config.json") from None
-    fit = [k for k in VLLM_LORA_RANKS if k >= r]
+    return served_rank(r, str(path))
+
+
+def served_rank(r: int, what: str = "the adapter") -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that serves a LoRA of rank ``r``."""
+    fit = [k for k in VLLM_LORA_RANKS if k >= int(r)]
     if not fit:
-        raise BackendError(f"{path}: LoRA rank {r} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+        raise BackendError(f"{what}: LoRA rank {r} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
     return fit[0]
 
 
@@ -167,8 +174,11 @@ class VLLMGenerator(Generator):
         self.adapter = str(adapter) if adapter is not None else None
         self.eos_ids = eos_token_ids(self.tokenizer, self.path)
         kw = engine_kwargs(self.path, dtype, self.adapter, llm_options, cuda=capability is not None)
+        self.engine_kwargs = kw
         self.llm = vllm.LLM(**kw)
+        self.owns_engine = True
         self.lora = None
+        self._lora_ids = [1]     # LoRARequest ids handed out on this engine (shared with with_adapter's siblings)
         if self.adapter is not None:
             from vllm.lora.request import LoRARequest
             self.lora = LoRARequest("adapter", 1, self.adapter)
@@ -184,6 +194,30 @@ class VLLMGenerator(Generator):
                          **self.policy.identity()},
             **({"batch_invariant": True} if self.batch_invariant else {}),
         })
+
+    def with_adapter(self, adapter) -> "VLLMGenerator":
+        """A generator of ``adapter`` on this generator's engine: no second engine and no merge; its
+        requests carry the adapter's ``LoRARequest``, so the base model and every adapter are served
+        by one engine in one dtype. The engine must have been started with LoRA (backend options
+        ``enable_lora: true`` and a ``max_lora_rank`` at least the adapter's, :func:`lora_rank`). The
+        identity is the one a generator loaded with ``adapter=`` has. Closing the sibling leaves the
+        engine to this generator."""
+        if self.llm is None:
+            raise BackendError("with_adapter: this vLLM generator is closed")
+        need = lora_rank(adapter)
+        have = self.engine_kwargs.get("max_lora_rank") or 0
+        if not self.engine_kwargs.get("enable_lora") or have < need:
+            raise BackendError(f"{adapter}: this vLLM engine was started without LoRA serving at rank {need} "
+                               f"(enable_lora={bool(self.engine_kwargs.get('enable_lora'))}, max_lora_rank={have}); "
+                               f"start it with backend options enable_lora: true, max_lora_rank: {need}")
+        from vllm.lora.request import LoRARequest
+        sib = copy.copy(self)
+        self._lora_ids.append(self._lora_ids[-1] + 1)
+        n = self._lora_ids[-1]
+        sib.adapter, sib.owns_engine = str(adapter), False
+        sib.lora = LoRARequest(f"adapter{n}", n, str(adapter))
+        sib.identity = {**self.identity, "adapter_sha256": adapter_hash(adapter)}
+        return sib
 
     def _complete(self, reqs: list[dict[str, Any]]) -> tuple[list[list[int]], list[tuple[Any, Any]]]:
         """Generate each request to its end: EOS, the token budget or memtoc's line rule. The line rules
@@ -248,7 +282,7 @@ class VLLMGenerator(Generator):
     def close(self) -> None:
         llm = getattr(self, "llm", None)
         self.llm = None
-        if llm is not None:
+        if llm is not None and getattr(self, "owns_engine", True):
             del llm
             try:
         

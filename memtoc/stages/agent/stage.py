@@ -43,6 +43,7 @@ from memtoc.stages.agent.core import (
 from memtoc.stages.agent.metrics import episodes_frame, in_slice, rate_units
 from memtoc.stages.agent.protocols import EpisodeSpec, run_episodes
 from memtoc.stages.agent.runtime import JSON_OPTIONS, Runtime, constrained_library
+from memtoc.stages.agent.serving import served
 from memtoc.stages.agent.traces import Trace
 
 Log = Callable[[str], Any]
@@ -59,7 +60,8 @@ def run(cfg: RunConfig, show_progress: bool = True, log: Log = print) -> dict[st
     summary = summary_head(a)
     costs: dict[str, Any] = {}
     for model in a.models:
-        block, timing, cost = run_model_arms(cfg, model, bench, show_progress, log)
+        with served(cfg, model, log) as mcfg:     # a vLLM server of its own where runtime_options.launch asks
+            block, timing, cost = run_model_arms(mcfg, model, bench, show_progress, log)
         summary["models"][model] = block
         summary["timing"][model] = timing
         if cost:

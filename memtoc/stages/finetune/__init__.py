@@ -36,7 +36,8 @@ Cross-fitting (:func:`crossfit_plan`)
     evaluated question's chain is in its adapter's training data. Matched SFT and DPO runs share
     the base checkpoint, hyper-parameters, LoRA configuration, seed and data order.
 
-Evaluation (all generation of this stage: transformers backend, :func:`eval_generator_kwargs`)
+Evaluation (all generation of this stage: ``finetune.eval_backend``, :func:`eval_generator_kwargs`;
+vLLM serves every adapter on the untreated model's engine through LoRARequest, transformers merges each)
     Each adapter first answers the forced closed-book prompts of its held-out questions (same
     formulations, ``elicitation.elicit``), then the held-out episodes (conditions ``eval_conditions``,
     default tool_right, tool_wrong, tool_error; untreated arm, schema frame, the default error
@@ -139,6 +140,7 @@ from memtoc.stages.finetune.evaluate import (
     eval_episodes,
     eval_generator_kwargs,
     evaluate_adapter,
+    shares_engine,
     paired_deltas,
     score_with,
 )
@@ -175,7 +177,7 @@ __all__ = ["EVAL_CONDITIONS", "METRICS", "OBJECTIVES", "SCHEMA_VERSION", "SHARED
            "adapter_dir", "adapters_table", "check_no_leakage", "check_training_tokens", "close_generator",
            "closed_book_counts", "closed_book_table", "completion", "config_hash", "criterion_table",
            "crossfit_plan", "delta_table", "dpo_rows", "eval_episodes", "eval_generator_kwargs",
-           "evaluate_adapter", "finished_adapter", "leading_special_text", "load_train_model",
+           "evaluate_adapter", "shares_engine", "finished_adapter", "leading_special_text", "load_train_model",
            "loss_curve", "make_trainer", "paired_deltas", "pair_preference", "plan", "plan_table", "plot_deltas",
            "plot_loss_curve", "read_stage_summary", "read_summary", "run", "score_with", "sft_rows",
            "train_adapter", "train_dtype", "training_arguments", "training_config", "training_eos", "training_examples",

@@ -87,9 +87,11 @@ def paired_deltas(treated, untreated, formulations: Sequence[str], metrics: Sequ
 
 def eval_generator_kwargs(cfg: RunConfig) -> dict[str, Any]:
     """``models.load_generator`` keyword arguments of this stage's generators (the untreated model
-    and every adapter): always the transformers backend, whatever the run's ``backend``.
+    and every adapter), on ``finetune.eval_backend`` (transformers by default, whatever the run's
+    ``backend``; or vllm: one engine per model started with LoRA serving at the rank of this stage's
+    adapters, ``lora_r`` rounded up to a rank vLLM accepts).
 
-    Options: the run's ``backend_options`` when the run itself uses transformers; otherwise only
+    Options: the run's ``backend_options`` when the run itself uses that backend; otherwise only
     the options every backend shares (:data:`SHARED_BACKEND_OPTIONS`, e.g. ``stop_at_final``, so that
     04 extracts from replies generated like 03's) -- a vLLM run's engine options such as
     ``gpu_memory_utilization`` / ``max_model_len`` mean nothing to TransformersGenerator. Then
@@ -98,11 +100,20 @@ def eval_generator_kwargs(cfg: RunConfig) -> dict[str, Any]:
     cfg = expect_config(cfg, "finetune.eval_generator_kwargs")
     ft = cfg.finetune
     run_opts = dict(cfg.backend_options or {})
-    if cfg.backend != "transformers":
+    if cfg.backend != ft.eval_backend:
         run_opts = {k: v for k, v in run_opts.items() if k in SHARED_BACKEND_OPTIONS}
     opts = {**run_opts, **ft.backend_options}
-    return dict(backend="transformers", batch_size=cfg.batch_size, dtype=ft.eval_dtype or cfg.dtype,
+    if ft.eval_backend == "vllm":
+        from memtoc.generation.backends.vllm import served_rank
+        opts = {"enable_lora": True, "max_lora_rank": served_rank(ft.lora_r, "finetune.lora_r"), **opts}
+    return dict(backend=ft.eval_backend, batch_size=cfg.batch_size, dtype=ft.eval_dtype or cfg.dtype,
                 max_new_tokens=cfg.max_new_tokens, model_cache_dir=cfg.model_cache_dir, **opts)
+
+
+def shares_engine(gen_kw: dict[str, Any]) -> bool:
+    """True where the adapters are served on the untreated model's engine (vLLM's LoRA serving)
+    instead of each loading (and merging) its own model."""
+    return gen_kw.get("backend") == "vllm"
 
 
 def _memory_status(mem) -> dict[tuple[str, str], str]:
@@ -136,13 +147,16 @@ def closed_book_counts(memory, untreated=None) -> dict[str, Any]:
 
 def evaluate_adapter(model: str, adapter, label: str, questions: Sequence[Question], episodes: Sequence[Episode],
                      formulations: Sequence[str], run_dir, gen_kw: dict[str, Any], variant: str = "forced",
-                     matcher: str = "paper"):
+                     matcher: str = "paper", base=None):
     """(scored episodes, closed-book memory) of the adapter at ``adapter``: its *own* closed-book
     answers to ``questions`` (written to ``<adapter>/closed_book_<variant>.jsonl``), then ``episodes``
     scored against them (:func:`score_with`), so that a paired delta with the untreated model
     (:func:`paired_deltas`) counts the units in a cell for one side only. ``gen_kw``:
-    ``models.load_generator`` keywords; generations are cached under ``label``."""
-    agen = models.load_generator(model, adapter=adapter, **gen_kw)
+    ``models.load_generator`` keywords; generations are cached under ``label``. ``base``: the untreated
+    model's generator, whose engine serves the adapter (:func:`models.adapter_generator`) instead of
+    a model loaded for it."""
+    agen = (models.adapter_generator(base, adapter) if base is not None
+            else models.load_generator(model, adapter=adapter, **gen_kw))
     try:
         memory = elicitation.elicit(agen, label, questions, formulations, variant, run_dir, matcher=matcher,
                                     scored_file=Path(adapter) / f"closed_book_{variant}.jsonl")
