@@ -65,8 +65,9 @@ vllm-env: $(VLLM_VENV)/.installed
 
 # the vLLM tests: parity with the transformers backend, LoRA serving, the OpenAI server, and the
 # smoke pipeline on vLLM (tests/vllm_cpu)
+VLLM_PYTEST_ARGS ?=
 test-vllm: vllm-env install
-	$(VLLM_VENV)/bin/python -m pytest -q -ra --durations=10 tests/vllm_cpu
+	$(VLLM_VENV)/bin/python -m pytest -q -ra --durations=10 $(VLLM_PYTEST_ARGS) tests/vllm_cpu
 
 # params/smoke.yaml on vLLM (02/03/06 on the engine, 04's adapters through LoRA serving, 07 on vLLM's
 # server, which memtoc starts), then its claims re-derived
