@@ -12,6 +12,8 @@ On Colab only (nothing happens elsewhere):
    (``/content/drive/MyDrive/memtoc``: outputs, the model cache and the release survive the session),
    else ``/content/memtoc`` (wiped when the runtime is recycled);
 3. fetches and verifies the MemToC release into it (``memtoc data fetch``);
+   and before all this removes what the image carries at a version that breaks memtoc's stack
+   (:data:`INCOMPATIBLE`: torchao below 0.16, which peft refuses whenever it creates a LoRA layer);
 4. logs in to the Hugging Face hub with the ``HF_TOKEN`` Colab secret when one is set (Llama, gemma
    and Mistral are gated: accept their licences on the hub first).
 
@@ -29,6 +31,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from packaging.version import Version
+
 from memtoc.core.project import bundled_resources
 from memtoc.generation.hardware import choose_lock, driver_version
 
@@ -40,6 +44,12 @@ KERNEL_PACKAGES = frozenset({
 })
 #: Colab's CUDA build of torch and what comes with it: kept on a CPU runtime, replaced by a GPU lock's
 GPU_STACK = frozenset({"torch", "torchvision", "torchaudio", "triton", "nvidia-*"})
+#: packages of the Colab image that break memtoc's stack below a version: (name, first good version, why).
+#: The set-up removes them (memtoc needs none of them).
+INCOMPATIBLE = (
+    ("torchao", "0.16.0", "peft 0.21 raises ImportError ('Found an incompatible version of torchao') below 0.16 "
+                          "whenever it creates a LoRA layer: 04 and 06 training, adapter merging, gpucheck's DPO step"),
+)
 DRIVE_ROOT = Path("/content/drive/MyDrive")
 LOCAL_ROOT = Path("/content")
 
@@ -87,6 +97,17 @@ def install_plan(lock_lines: Iterable[str], installed: dict[str, str], keep_gpu_
     return out
 
 
+def incompatible(installed: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(name, installed version, why)`` of each installed package of :data:`INCOMPATIBLE` below its first
+    good version (pure)."""
+    out = []
+    for name, good, why in INCOMPATIBLE:
+        have = installed.get(name)
+        if have is not None and Version(have) < Version(good):
+            out.append((name, have, why))
+    return out
+
+
 def colab_lock(driver: Optional[str]) -> tuple[str, bool, str]:
     """(lock file, keep Colab's torch, why) for a runtime whose NVIDIA driver is ``driver`` (None: a
     CPU runtime): the GPU lock :func:`memtoc.generation.hardware.choose_lock` picks, with its own torch; else
@@ -127,7 +148,11 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
     lock_name, keep_torch, why = colab_lock(driver_version() if driver == "ask" else driver)
     log(f"{lock_name}: {why}")
     lock = (bundled_resources() / lock_name).read_text().splitlines()
-    pins = install_plan(lock, installed_versions(), keep_gpu_stack=keep_torch)
+    installed = installed_versions()
+    for name, have, why in incompatible(installed):
+        log(f"removing {name} {have}: {why}")
+        run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", name])
+    pins = install_plan(lock, installed, keep_gpu_stack=keep_torch)
     if pins:
         log(f"installing {len(pins)} packages the image lacks (the kernel's own packages "
             + ("and Colab's torch left as they are)" if keep_torch else "left as they are; torch replaced by the "

@@ -12,6 +12,7 @@ from packaging.requirements import Requirement
 from memtoc.config import locks as lock
 from memtoc.core.project import REPO_ROOT
 from memtoc.run import colab
+from test_backends_hf import tiny_model_dir  # noqa: F401  (fixture)
 
 
 def test_the_kernel_packages_and_torch_are_never_installed():
@@ -117,3 +118,40 @@ def test_setup_leaves_no_environment_behind():
     import os
     assert "/content/" not in os.environ.get("MEMTOC_HOME", "")
 
+
+
+def _fake_torchao(monkeypatch, version: str):
+    """torchao ``version`` as peft sees it (import spec and distribution metadata), without installing it."""
+    import importlib.metadata as md
+    import importlib.util as iu
+    real_spec, real_version = iu.find_spec, md.version
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: object() if name == "torchao" else real_spec(name, *a))
+    monkeypatch.setattr(md, "version", lambda name: version if name == "torchao" else real_version(name))
+
+
+def _lora(model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_colabs_torchao_breaks_every_lora_and_the_setup_removes_it(tiny_model_dir, monkeypatch):  # noqa: F811
+    """Colab's image carries torchao 0.10.0: the installed peft then refuses to create any LoRA layer. The
+    set-up finds it (and only a version below peft's floor) and uninstalls it before installing the lock;
+    without it the LoRA layer is created."""
+    _fake_torchao(monkeypatch, "0.10.0")
+    with pytest.raises(ImportError, match="incompatible version of torchao"):
+        _lora(tiny_model_dir)
+    assert [n for n, _, _ in colab.incompatible({"torchao": "0.10.0", "peft": "0.21.2"})] == ["torchao"]
+    assert colab.incompatible({"torchao": "0.16.0"}) == [] and colab.incompatible({}) == []
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"torchao": "0.10.0", "trl": "1.16.0"})
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")
+    ran, said = [], []
+    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver=None)
+    assert ran[0][-5:] == ["pip", "uninstall", "-q", "-y", "torchao"] and "install" in ran[1]
+    assert any("removing torchao 0.10.0" in s for s in said)
+    monkeypatch.undo()                     # torchao gone: the same LoRA layer is created
+    assert _lora(tiny_model_dir).peft_config["default"].r == 4
