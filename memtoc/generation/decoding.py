@@ -23,13 +23,45 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memtoc.core.errors import ConfigError
+from memtoc.core.io import package_version
 
 #: generation-config fields that change a greedy reply, and their neutral values
 PENALTIES: dict[str, float] = {"repetition_penalty": 1.0}
-#: vLLM's documented requirement for VLLM_BATCH_INVARIANT (docs/features/batch_invariance.md: NVIDIA
-#: compute capability 9.0 or higher, H100/H200/B100/B200)
+#: the GPUs on which vLLM's batch-invariant mode makes its matmuls invariant, per release, read from each
+#: release's own rule (``enable_batch_invariant_mode``): 0.19.x installs Triton matmuls on SM 8.0, SM 8.9
+#: and the SM 10 family and turns split-k off through cuBLAS on SM 9.x, with no path for other SM 8.x;
+#: 0.32 installs them on the whole SM 8 family and uses cuBLAS on SM 9 and newer. Releases before 0.19
+#: keep the requirement their documentation states (compute capability 9.0 or higher).
+BATCH_INVARIANT_RULES: tuple[tuple[tuple[int, int], str], ...] = (
+    ((0, 19), "sm80 sm89 sm9x sm10x"),
+    ((0, 20), "sm8x+"),
+)
 BATCH_INVARIANT_MIN_CAPABILITY = (9, 0)
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def _release(version: Optional[str]) -> Optional[tuple[int, int]]:
+    try:
+        major, minor = str(version).split("+", 1)[0].split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, AttributeError):
+        return None
+
+
+def batch_invariant_supported(capability: tuple[int, int], vllm_version: Optional[str]) -> bool:
+    """Whether ``vllm_version``'s batch-invariant mode covers a GPU of ``capability`` (major, minor)
+    (:data:`BATCH_INVARIANT_RULES`; an unknown version: capability 9.0 or higher)."""
+    major, minor = tuple(capability)
+    rel = _release(vllm_version)
+    rule = None
+    for since, r in BATCH_INVARIANT_RULES:
+        if rel is not None and rel >= since:
+            rule = r
+    if rule == "sm8x+":
+        return major >= 8
+    if rule == "sm80 sm89 sm9x sm10x":
+        return (major, minor) in ((8, 0), (8, 9)) or major in (9, 10)
+    return (major, minor) >= BATCH_INVARIANT_MIN_CAPABILITY
 
 
 @dataclass(frozen=True)
@@ -82,14 +114,18 @@ def read_policy(model_dir: Path) -> DecodingPolicy:
     return policy_from_config(config, str(path))
 
 
-def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]]) -> bool:
-    """Whether vLLM's batch-invariant mode is on: ``setting`` ``"auto"`` (on where the GPU meets vLLM's
-    documented requirement), ``True`` or ``False``; ``capability`` the GPU's (major, minor), None
-    without a GPU."""
+def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]], vllm_version: Any = "installed") -> bool:
+    """Whether vLLM's batch-invariant mode is on: ``setting`` ``"auto"`` (on where the installed vLLM's
+    own rule covers the GPU, :func:`batch_invariant_supported`), ``True`` or ``False``; ``capability``
+    the GPU's (major, minor), None without a GPU; ``vllm_version``: default the installed one."""
     if setting not in ("auto", True, False):
         raise ConfigError(f"backend option 'batch_invariant' must be auto, true or false, got {setting!r}")
     if setting == "auto":
-        return capability is not None and tuple(capability) >= BATCH_INVARIANT_MIN_CAPABILITY
+        if capability is None:
+            return False
+        if vllm_version == "installed":
+            vllm_version = package_version("vllm")
+        return batch_invariant_supported(capability, vllm_version)
     if setting is True and capability is None:
         raise ConfigError("backend option 'batch_invariant: true' needs a CUDA GPU: vLLM's batch-invariant "
                           "kernels are Triton kernels, and a CPU engine accepts the setting, then crashes at its "

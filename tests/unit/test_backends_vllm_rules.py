@@ -72,6 +72,21 @@ def test_eos_ids_read_the_generation_config(tiny_model_dir, tmp_path):  # noqa: 
     assert vb.eos_token_ids(tok, tmp_path) == {tok.eos_token_id}
 
 
+def test_batch_invariance_names_an_attention_backend():
+    """vLLM 0.19.x refuses to start in batch-invariant mode unless an attention backend is named (the
+    default run on an H100/H200 with the CUDA-12 lock stopped at engine start): memtoc names FLASH_ATTN,
+    unless the options choose a backend; without batch invariance it names none."""
+    on = vb.engine_kwargs("/m", "bfloat16", None, {}, cuda=True, batch_invariant=True)
+    assert on["attention_backend"] == "FLASH_ATTN"
+    assert "attention_backend" not in vb.engine_kwargs("/m", "bfloat16", None, {}, cuda=True)
+    mine = vb.engine_kwargs("/m", "bfloat16", None, {"attention_backend": "TRITON_ATTN"}, cuda=True,
+                            batch_invariant=True)
+    assert mine["attention_backend"] == "TRITON_ATTN"
+    cfg = vb.engine_kwargs("/m", "bfloat16", None, {"attention_config": {"backend": "TRITON_ATTN"}}, cuda=True,
+                           batch_invariant=True)
+    assert "attention_backend" not in cfg          # vLLM refuses both together
+
+
 def test_batch_invariant_true_is_refused_on_a_cpu():
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         decoding.batch_invariant_on(True, None)

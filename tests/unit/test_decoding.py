@@ -70,7 +70,24 @@ def test_plain_model_identity_has_no_penalty(tiny_model_dir):  # noqa: F811
 @pytest.mark.parametrize("setting,cap,on", [("auto", (9, 0), True), ("auto", (8, 0), False), ("auto", None, False),
                                             (True, (8, 0), True), (False, (9, 0), False)])
 def test_batch_invariant_decision(setting, cap, on):
-    assert decoding.batch_invariant_on(setting, cap) is on
+    assert decoding.batch_invariant_on(setting, cap, vllm_version=None) is on
+
+
+@pytest.mark.parametrize("cap, v019, v033", [
+    ((8, 0), True, True),       # A100: Triton matmuls in both
+    ((8, 6), False, True),      # A10 / RTX 30: no path in 0.19.x, the SM 8 family in later releases
+    ((8, 9), True, True),       # L4 / Ada
+    ((9, 0), True, True),       # H100 / H200: split-k off through cuBLAS
+    ((10, 0), True, True),      # B200
+    ((7, 5), False, False),     # T4
+])
+def test_auto_follows_the_installed_vllms_own_rule(cap, v019, v033):
+    """``auto`` follows each release's rule (recorded from its batch_invariant.py), not one constant: the
+    CUDA-12 lock's vLLM 0.19.1 covers an A100 and an L4, which the old 9.0 floor left out."""
+    assert decoding.batch_invariant_on("auto", cap, vllm_version="0.19.1") is v019
+    assert decoding.batch_invariant_on("auto", cap, vllm_version="0.33.0") is v033
+    assert decoding.batch_invariant_on("auto", cap, vllm_version="0.32.0+cpu") is v033
+    assert decoding.batch_invariant_on("auto", cap, vllm_version="0.11.0") is (cap >= (9, 0))   # older: the documented floor
 
 
 def test_batch_invariant_setting_is_checked():

@@ -137,3 +137,7 @@ def test_the_engine_starts_with_memtocs_cpu_settings(tmp_path):
     kw = vb.engine_kwargs(path, "auto", None, {}, cuda=False)
     args = EngineArgs(**kw)
     assert args.dtype == kw["dtype"] and args.enable_prefix_caching is True
+    # the GPU's batch-invariant kwargs: this vLLM takes the attention backend memtoc names
+    from vllm.config import AttentionConfig
+    gpu = EngineArgs(**vb.engine_kwargs(path, "bfloat16", None, {}, cuda=True, batch_invariant=True))
+    assert AttentionConfig.validate_backend_before(gpu.attention_backend).name == "FLASH_ATTN"

@@ -123,11 +123,22 @@ def gpu_capability() -> Optional[tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
+#: the attention backend named to vLLM when batch invariance is on and the options name none: vLLM 0.19.x
+#: refuses to start in batch-invariant mode without one ("requires an attention backend in ['FLASH_ATTN',
+#: 'TRITON_ATTN', ...], but got 'None'", vllm/model_executor/layers/batch_invariant.py); FLASH_ATTN is the
+#: backend that file calls best supported (decode-invariant), and later releases accept it too
+BATCH_INVARIANT_ATTENTION = "FLASH_ATTN"
+
+
 def engine_kwargs(path: Path, dtype: str, adapter: Optional[str], options: dict[str, Any],
-                  cuda: bool = True) -> dict[str, Any]:
+                  cuda: bool = True, batch_invariant: bool = False) -> dict[str, Any]:
     """``vllm.LLM``'s keyword arguments: prefix caching, seed 0, the dtype (:func:`vllm_dtype`), LoRA
-    serving at the adapter's own rank (:func:`lora_rank`); ``options`` override any of them."""
+    serving at the adapter's own rank (:func:`lora_rank`), and with ``batch_invariant`` an attention
+    backend (:data:`BATCH_INVARIANT_ATTENTION`) unless the options choose one (``attention_backend`` or
+    ``attention_config``); ``options`` override any of them."""
     kw = {"model": str(path), "dtype": vllm_dtype(dtype, cuda), "enable_prefix_caching": True, "seed": 0}
+    if batch_invariant and "attention_backend" not in options and "attention_config" not in options:
+        kw["attention_backend"] = BATCH_INVARIANT_ATTENTION
     if not cuda:
         # on a CPU the fraction is of host memory (vLLM's default 0.92 refuses to start wherever anything
         # else holds memory); memtoc's models and prompts need a few GiB of KV cache
@@ -173,7 +184,8 @@ class VLLMGenerator(Generator):
         self.policy = read_policy(self.path)
         self.adapter = str(adapter) if adapter is not None else None
         self.eos_ids = eos_token_ids(self.tokenizer, self.path)
-        kw = engine_kwargs(self.path, dtype, self.adapter, llm_options, cuda=capability is not None)
+        kw = engine_kwargs(self.path, dtype, self.adapter, llm_options, cuda=capability is not None,
+                           batch_invariant=self.batch_invariant)
         self.engine_kwargs = kw
         self.llm = vllm.LLM(**kw)
         self.owns_engine = True
