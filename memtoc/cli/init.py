@@ -10,6 +10,10 @@ package's folder::
     memtoc run params/smoke.yaml
 
 Existing files are kept when identical; a differing one stops the copy (``--force`` overwrites).
+``--data-dir DIR`` / ``--model-cache DIR`` record where the folder's release copies and prepared models
+live (``memtoc-paths.json``; a relative path is taken from the project folder), so that memtoc finds
+them from the folder without ``MEMTOC_DATA_DIR`` / ``MEMTOC_MODEL_CACHE`` (Colab: after a restart or in
+a new session).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import shutil
 from pathlib import Path
 
 from memtoc.core.errors import ConfigError
-from memtoc.core.project import PROJECT_FILES, bundled_resources
+from memtoc.core.project import PROJECT_FILES, bundled_resources, project_paths, write_project_paths
 
 _SKIP_PARTS = (".ipynb_checkpoints", "__pycache__")
 
@@ -71,9 +75,15 @@ def cli(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="the project folder to create or fill, e.g. memtoc-work")
     ap.add_argument("--force", action="store_true", help="overwrite files that differ from the shipped ones")
+    ap.add_argument("--data-dir", default=None, help="record where this project's release copies live "
+                    "(memtoc-paths.json; relative to the project folder)")
+    ap.add_argument("--model-cache", default=None, help="record where this project's prepared models live")
     a = ap.parse_args(argv)
     written = init_project(Path(a.dir), force=a.force)
     dest = Path(a.dir).expanduser().resolve()
+    if a.data_dir or a.model_cache:
+        f = write_project_paths(dest, data_dir=a.data_dir, model_cache=a.model_cache)
+        print(f"memtoc init: {f} records " + ", ".join(f"{k} {v}" for k, v in project_paths(dest).items()))
     print(f"memtoc init: {len(written)} file(s) written to {dest}; next: cd {dest} && memtoc run params/smoke.yaml "
           f"(or set MEMTOC_HOME={dest})")
     return 0

@@ -17,7 +17,7 @@ import yaml
 
 from memtoc.config.judge import JudgeConfig
 from memtoc.core.errors import ConfigError, DataError, MemtocError, check_choice, check_choices, ordered_subset  # noqa: F401
-from memtoc.core.project import REPO_ROOT  # noqa: F401  (re-exported: memtoc.config.params.REPO_ROOT)
+from memtoc.core.project import REPO_ROOT, project_paths  # noqa: F401  (REPO_ROOT re-exported: memtoc.config.params.REPO_ROOT)
 from memtoc.core.vocab import BACKENDS, CLOSED_BOOK_VARIANTS, DTYPES, EXTRA_ARMS, FORMULATIONS, MATCHERS
 
 PAPER_SEED = 20260721
@@ -44,9 +44,12 @@ RELEASE_RULES = ("argument", "params:release_dir", "env:MEMTOC_RELEASE", "fetche
 
 
 def release_cache_root() -> Path:
-    """Where `memtoc data fetch` installs verified copies: ``$MEMTOC_DATA_DIR``, else
+    """Where `memtoc data fetch` installs verified copies: ``$MEMTOC_DATA_DIR``, else the project's
+    recorded ``data_dir`` (``memtoc-paths.json``, :func:`memtoc.core.project.project_paths`), else
     ``~/.cache/memtoc/release`` (one folder per commit, ``local-<sha12>`` for a local source)."""
-    return Path(os.environ.get("MEMTOC_DATA_DIR") or Path.home() / ".cache" / "memtoc" / "release").expanduser()
+    if os.environ.get("MEMTOC_DATA_DIR"):
+        return Path(os.environ["MEMTOC_DATA_DIR"]).expanduser()
+    return project_paths().get("data_dir") or Path.home() / ".cache" / "memtoc" / "release"
 
 
 def fetched_release(root: Path | None = None) -> Path | None:

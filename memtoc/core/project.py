@@ -11,15 +11,22 @@ The project root holds ``params/*.yaml``, ``notebooks/NN_*.ipynb``, ``paper/clai
    (a project folder made by ``memtoc init DIR``; a notebook opened in ``DIR/notebooks`` finds
    ``DIR``), and failing that the working directory itself. Never the installed package's folder.
 
-The root is decided once, when memtoc is imported (:data:`REPO_ROOT`). A wheel carries
+The root is decided once, when memtoc is imported (:data:`REPO_ROOT`). A project folder may record
+where its data and models live (:data:`PATHS_FILE`, written by ``memtoc init DIR --data-dir ...
+--model-cache ...``; read after the environment variables and before the per-user defaults), so that a
+new shell, a restarted notebook kernel or a new Colab session started in the folder finds them without
+any environment variable. A wheel carries
 the project files under ``memtoc/_resources/`` (``bundled_resources``); ``memtoc init DIR``
 (``memtoc.cli.init``) copies them into a project folder.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
+
+from memtoc.core.errors import ConfigError
 
 HOME_ENV = "MEMTOC_HOME"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent    # memtoc/ (this file is memtoc/core/project.py)
@@ -73,3 +80,56 @@ def bundled_resources() -> Optional[Path]:
 
 # the project root: the clone, or a `memtoc init` folder for an installed wheel
 REPO_ROOT = project_root()
+
+
+#: the file in a project folder that records where its data and models live (:func:`project_paths`)
+PATHS_FILE = "memtoc-paths.json"
+#: its fields: what each folder is (a relative path is taken from the project folder)
+PATH_FIELDS = {
+    "data_dir": "where `memtoc data fetch` installs, and memtoc finds, verified release copies (after $MEMTOC_DATA_DIR)",
+    "model_cache": "where prepared models are kept (after $MEMTOC_MODEL_CACHE)",
+}
+
+
+def project_paths(root: Optional[Path] = None) -> dict[str, Path]:
+    """The folders ``root`` (default :data:`REPO_ROOT`) records in :data:`PATHS_FILE`, as absolute paths
+    (``{}`` without the file). A file that is not a JSON object of known fields with folder paths stops
+    with one line naming the file, the field and the fix."""
+    root = Path(REPO_ROOT if root is None else root)
+    path = root / PATHS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); fix it or write it again with `memtoc init {root} "
+                          "--data-dir DIR --model-cache DIR`") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: must be a JSON object with the fields {', '.join(PATH_FIELDS)}")
+    out = {}
+    for key, value in doc.items():
+        if key not in PATH_FIELDS:
+            raise ConfigError(f"{path}: field {key!r} is unknown; the fields are {', '.join(PATH_FIELDS)}: remove it")
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{path}: field {key!r} must be a folder path (text), got {value!r}")
+        folder = Path(value).expanduser()
+        out[key] = folder if folder.is_absolute() else root / folder
+    return out
+
+
+def write_project_paths(root: Path, **folders: str) -> Path:
+    """Record ``folders`` (fields of :data:`PATH_FIELDS`; relative paths stay relative to ``root``) in
+    ``root``'s :data:`PATHS_FILE`, over what it recorded before; returns the file."""
+    bad = [k for k in folders if k not in PATH_FIELDS]
+    if bad:
+        raise ConfigError(f"unknown project path field(s) {bad}; the fields are {', '.join(PATH_FIELDS)}")
+    root = Path(root)
+    project_paths(root)            # a damaged file is reported, not overwritten
+    current = {k: str(v) for k, v in json.loads((root / PATHS_FILE).read_text(encoding="utf-8")).items()} \
+        if (root / PATHS_FILE).is_file() else {}
+    current.update({k: str(v) for k, v in folders.items() if v})
+    path = root / PATHS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

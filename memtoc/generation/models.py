@@ -24,7 +24,8 @@ default system prompt, exactly as in the paper). SmolLM2's template injects a de
 for local directories) we build the prompt with no system turn at all (``system_turn="none"``):
 ChatML templates are rendered as ``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n``.
 
-Model cache: ``cache_dir`` argument, else ``$MEMTOC_MODEL_CACHE``, else ``~/.cache/memtoc/models``;
+Model cache: ``cache_dir`` argument, else ``$MEMTOC_MODEL_CACHE``, else the project's recorded
+``model_cache`` (``memtoc-paths.json``), else ``~/.cache/memtoc/models``;
 the embedded model lands in ``<root>/<name>/``, written to a temporary folder and renamed into
 place, so a killed prepare never leaves a half model. ``weights.sha256.json`` beside the weights
 holds the weights hash (computed once) that goes into every cache key.

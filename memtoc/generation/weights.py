@@ -15,6 +15,7 @@ from typing import Any
 
 from memtoc.core.errors import MemtocError
 from memtoc.core.io import sha256_file
+from memtoc.core.project import project_paths
 
 HASH_FILE = "weights.sha256.json"
 
@@ -28,7 +29,7 @@ def model_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
         return Path(cache_dir).expanduser()
     if os.environ.get("MEMTOC_MODEL_CACHE"):
         return Path(os.environ["MEMTOC_MODEL_CACHE"]).expanduser()
-    return Path("~/.cache/memtoc/models").expanduser()
+    return project_paths().get("model_cache") or Path("~/.cache/memtoc/models").expanduser()
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -156,15 +156,21 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
     if pins:
         log(f"installing {len(pins)} packages the image lacks (the kernel's own packages "
             + ("and Colab's torch left as they are)" if keep_torch else "left as they are; torch replaced by the "
-               "lock's: restart the session before importing torch here)"))
+               "lock's" + ("; this kernel has imported torch: restart the session (Runtime -> Restart session) "
+                           "before using torch in this notebook)" if "torch" in sys.modules else
+                           "; `!memtoc ...` commands run in new processes and need no restart)")))
         run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *pins])
     where = layout(DRIVE_ROOT.is_dir() if drive_mounted is None else drive_mounted)
     os.environ.update(where.environment())
-    run([sys.executable, "-m", "memtoc", "init", str(where.project)])
+    # the folder records where its release and models are (memtoc-paths.json): a restarted kernel or a
+    # new session started in it finds them without the environment set here
+    run([sys.executable, "-m", "memtoc", "init", str(where.project), "--data-dir", "release",
+         "--model-cache", "models"])
     run([sys.executable, "-m", "memtoc", "data", "fetch"])
     token = hub_token(get_secret) if get_secret else None
     if token and login:
         login(token)
-    log(f"memtoc project: {where.project}" + ("" if where.on_drive else " (not on Drive: mount it to keep outputs)")
+    log(f"memtoc project: {where.project} (run memtoc from it: %cd {where.project})"
+        + ("" if where.on_drive else " (not on Drive: mount it to keep outputs)")
         + ("; logged in to the hub" if token and login else "; no HF_TOKEN secret: gated models will not download"))
     return where

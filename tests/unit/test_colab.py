@@ -61,7 +61,9 @@ def test_setup_on_a_mocked_colab(monkeypatch):
     pip, init, fetch = ran
     assert pip[1:5] == ["-m", "pip", "install", "-q"] and "--no-deps" in pip
     assert not any(p.startswith(("torch==", "ipykernel==", "trl==")) for p in pip)
-    assert init[-2:] == ["init", "/content/drive/MyDrive/memtoc"] and fetch[-2:] == ["data", "fetch"]
+    assert init[3:5] == ["init", "/content/drive/MyDrive/memtoc"] and fetch[-2:] == ["data", "fetch"]
+    assert init[5:] == ["--data-dir", "release", "--model-cache", "models"]     # recorded in the project folder
+    assert (lay.project / "release", lay.project / "models") == (lay.data, lay.model_cache)
     assert logins == ["hf_secret"] and lay.on_drive
     import os
     assert os.environ["MEMTOC_HOME"] == "/content/drive/MyDrive/memtoc"
@@ -127,6 +129,15 @@ def _fake_torchao(monkeypatch, version: str):
     real_spec, real_version = iu.find_spec, md.version
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: object() if name == "torchao" else real_spec(name, *a))
     monkeypatch.setattr(md, "version", lambda name: version if name == "torchao" else real_version(name))
+    _forget_torchao()
+
+
+def _forget_torchao():
+    """peft caches its torchao check for the process (lru_cache): an earlier LoRA in this process decided it."""
+    from peft import import_utils
+    clear = getattr(import_utils.is_torchao_available, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _lora(model_dir):
@@ -154,4 +165,5 @@ def test_colabs_torchao_breaks_every_lora_and_the_setup_removes_it(tiny_model_di
     assert ran[0][-5:] == ["pip", "uninstall", "-q", "-y", "torchao"] and "install" in ran[1]
     assert any("removing torchao 0.10.0" in s for s in said)
     monkeypatch.undo()                     # torchao gone: the same LoRA layer is created
+    _forget_torchao()
     assert _lora(tiny_model_dir).peft_config["default"].r == 4

@@ -1,0 +1,63 @@
+"""A project folder records where its release copies and models live (``memtoc-paths.json``, written by
+``memtoc init DIR --data-dir ... --model-cache ...``), read after the environment variables and before
+the per-user defaults: a restarted kernel or a new Colab session started in the folder finds its data."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memtoc import cli
+from memtoc.config import params
+from memtoc.core import project
+from memtoc.core.errors import ConfigError
+from memtoc.generation import weights
+
+
+@pytest.fixture
+def proj(tmp_path, monkeypatch):
+    root = tmp_path / "memtoc-work"
+    root.mkdir()
+    monkeypatch.setattr(project, "REPO_ROOT", root)
+    monkeypatch.delenv("MEMTOC_DATA_DIR", raising=False)
+    monkeypatch.delenv("MEMTOC_MODEL_CACHE", raising=False)
+    return root
+
+
+def test_the_recorded_folders_are_found_without_environment_variables(proj, monkeypatch, tmp_path):
+    home_default = params.release_cache_root()
+    assert home_default.parts[-3:] == (".cache", "memtoc", "release") and project.project_paths() == {}
+    project.write_project_paths(proj, data_dir="release", model_cache=str(tmp_path / "models"))
+    assert params.release_cache_root() == proj / "release"                  # relative: from the project folder
+    assert weights.model_cache_root() == tmp_path / "models"
+    monkeypatch.setenv("MEMTOC_DATA_DIR", str(tmp_path / "env"))             # the environment still wins
+    monkeypatch.setenv("MEMTOC_MODEL_CACHE", str(tmp_path / "envm"))
+    assert params.release_cache_root() == tmp_path / "env" and weights.model_cache_root() == tmp_path / "envm"
+    assert weights.model_cache_root(tmp_path / "arg") == tmp_path / "arg"    # and an explicit argument first
+
+
+def test_memtoc_init_records_them(proj, capsys, monkeypatch):
+    dest = proj.parent / "colab-project"
+    assert cli.main(["init", str(dest), "--data-dir", "release", "--model-cache", "models"]) == 0
+    assert json.loads((dest / project.PATHS_FILE).read_text()) == {"data_dir": "release", "model_cache": "models"}
+    assert "records data_dir" in capsys.readouterr().out
+    monkeypatch.setattr(project, "REPO_ROOT", dest)
+    assert params.release_cache_root() == dest / "release" and weights.model_cache_root() == dest / "models"
+    assert cli.main(["init", str(dest), "--model-cache", "/elsewhere"]) == 0      # one field over the other kept
+    assert project.project_paths(dest) == {"data_dir": dest / "release", "model_cache": project.Path("/elsewhere")}
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"data_dirr": "x"}', "field 'data_dirr' is unknown"),
+    ('{"model_cache": 3}', "field 'model_cache' must be a folder path"),
+])
+def test_a_damaged_file_is_one_line_naming_file_field_and_fix(proj, text, words):
+    (proj / project.PATHS_FILE).write_text(text)
+    with pytest.raises(ConfigError, match=words) as e:
+        params.release_cache_root()
+    assert str(proj / project.PATHS_FILE) in str(e.value)
+    with pytest.raises(ConfigError):                     # and it is not overwritten by a new record
+        project.write_project_paths(proj, data_dir="release")
+    assert (proj / project.PATHS_FILE).read_text() == text
