@@ -89,7 +89,7 @@ def test_eval_backend_vllm_serves_the_adapters_on_one_engine():
 
     from memtoc.generation.backends.vllm import VLLMGenerator
     with pytest.raises(ConfigError, match=r"finetune.backend_options.*\['token_budget'\] are options of the transformers"):
-        RunConfig.load("params/paper.yaml", overrides={"finetune": {"eval_backend": "vllm"}})
+        F.eval_generator_kwargs(RunConfig.load("params/paper.yaml", overrides={"finetune": {"eval_backend": "vllm"}}))
     P = RunConfig.load("params/paper.yaml", overrides={"finetune": {"eval_backend": "vllm", "lora_r": 12,
                                                                     "backend_options": None}})
     kw = F.eval_generator_kwargs(P)

@@ -1,15 +1,12 @@
 """The ``finetune`` block (notebook 04; params/finetune.yaml documents it)."""
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from memtoc.config.blocks.base import Block, Fail, as_list, is_int, is_num
 from memtoc.core.errors import ordered_subset
 from memtoc.core.vocab import ARM_CONDITIONS, FORMULATIONS, OBJECTIVES
-from memtoc.generation.backends.hf import TransformersGenerator
-from memtoc.generation.backends.vllm import VLLMGenerator
 from memtoc.generation.models import ModelError, get_model
 
 EVAL_CONDITIONS = ARM_CONDITIONS                  # tool_right, tool_wrong, tool_error
@@ -171,13 +168,3 @@ def _evaluation(f: dict, fail: Fail) -> None:
     if not isinstance(f["backend_options"], dict):
         fail("backend_options", "must be a mapping of backend options (e.g. {token_budget: 32768}), "
              f"got {f['backend_options']!r}")
-    if f["eval_backend"] == "vllm":
-        bad = sorted(set(f["backend_options"]) & _transformers_only_options())
-        if bad:
-            fail("backend_options", f"{bad} are options of the transformers backend, and eval_backend is vllm; "
-                                    "remove them (vLLM takes vllm.LLM's arguments, e.g. {max_model_len: 4096})")
-
-
-def _transformers_only_options() -> set[str]:
-    return set(inspect.signature(TransformersGenerator.__init__).parameters) - \
-        set(inspect.signature(VLLMGenerator.__init__).parameters)

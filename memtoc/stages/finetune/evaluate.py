@@ -2,6 +2,7 @@
 the paired deltas adapter - untreated."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -13,7 +14,10 @@ from memtoc.core.metrics import metric_units, paired_units
 from memtoc.core.records import Episode, Question
 from memtoc.core.vocab import FORMULATIONS
 from memtoc.data.episodes import build_episodes
+from memtoc.core.errors import ConfigError
 from memtoc.generation import models
+from memtoc.generation.backends.hf import TransformersGenerator
+from memtoc.generation.backends.vllm import VLLMGenerator, served_rank
 from memtoc.stages import elicitation, evaluation
 from memtoc.stages.finetune.common import (
     EVAL_CONDITIONS,
@@ -104,10 +108,19 @@ def eval_generator_kwargs(cfg: RunConfig) -> dict[str, Any]:
         run_opts = {k: v for k, v in run_opts.items() if k in SHARED_BACKEND_OPTIONS}
     opts = {**run_opts, **ft.backend_options}
     if ft.eval_backend == "vllm":
-        from memtoc.generation.backends.vllm import served_rank
+        bad = sorted(set(ft.backend_options) & _transformers_only_options())
+        if bad:
+            raise ConfigError(f"field 'finetune.backend_options': {bad} are options of the transformers backend, and "
+                              "finetune.eval_backend is vllm; remove them (vLLM takes vllm.LLM's arguments, e.g. "
+                              "{max_model_len: 4096})")
         opts = {"enable_lora": True, "max_lora_rank": served_rank(ft.lora_r, "finetune.lora_r"), **opts}
     return dict(backend=ft.eval_backend, batch_size=cfg.batch_size, dtype=ft.eval_dtype or cfg.dtype,
                 max_new_tokens=cfg.max_new_tokens, model_cache_dir=cfg.model_cache_dir, **opts)
+
+
+def _transformers_only_options() -> set[str]:
+    return set(inspect.signature(TransformersGenerator.__init__).parameters) - \
+        set(inspect.signature(VLLMGenerator.__init__).parameters)
 
 
 def shares_engine(gen_kw: dict[str, Any]) -> bool:
