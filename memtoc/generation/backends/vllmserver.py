@@ -26,11 +26,10 @@ from typing import Any, Optional, Sequence
 import requests
 
 from memtoc.generation.backends.openai import BackendError
+from memtoc.generation.backends.vllm import CPU_MEMORY_FRACTION, vllm_dtype
 
 #: memtoc's tool formats that vLLM's tool-call parser of the same name reads
 NATIVE_PARSERS = ("hermes", "llama3_json", "mistral")
-#: the share of host memory a CPU server reserves for its KV cache (as the offline CPU engine)
-CPU_MEMORY_FRACTION = 0.25
 
 
 def free_port() -> int:
@@ -60,13 +59,12 @@ def server_command(model_path: str | Path, served_name: str, port: int, dtype: s
                    options: Optional[dict[str, Any]] = None, python: str = sys.executable) -> list[str]:
     """The command line of one server (pure). ``dtype``: memtoc's name, resolved as the offline
     engine resolves it (:func:`memtoc.generation.backends.vllm.vllm_dtype`)."""
-    from memtoc.generation.backends.vllm import vllm_dtype
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", vllm_dtype(dtype, cuda), "--seed", "0"]
     opts = dict(options or {})
     if not cuda:
-        opts.setdefault("gpu_memory_utilization", CPU_MEMORY_FRACTION)
+        opts.setdefault("gpu_memory_utilization", CPU_MEMORY_FRACTION)     # as the offline CPU engine
     if tool_parser is not None:
         if tool_parser not in NATIVE_PARSERS:
             raise BackendError(f"tool parser {tool_parser!r}: memtoc reads vLLM's {', '.join(NATIVE_PARSERS)}")
