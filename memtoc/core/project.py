@@ -26,9 +26,17 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from memtoc.core.errors import ConfigError
-
 HOME_ENV = "MEMTOC_HOME"
+
+
+def _config_error(message: str) -> Exception:
+    """memtoc's ConfigError, imported on use: setup.py loads this file on its own (for PROJECT_FILES) in a
+    build environment where the memtoc package is not importable, so the module imports the standard
+    library only."""
+    from memtoc.core.errors import ConfigError
+    return ConfigError(message)
+
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent    # memtoc/ (this file is memtoc/core/project.py)
 SOURCE_ROOT = PACKAGE_DIR.parent                  # the clone, for a source checkout
 RESOURCES_DIR = PACKAGE_DIR / "_resources"        # the project files inside a wheel
@@ -102,16 +110,16 @@ def project_paths(root: Optional[Path] = None) -> dict[str, Path]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e}); fix it or write it again with `memtoc init {root} "
+        raise _config_error(f"{path}: not valid JSON ({e}); fix it or write it again with `memtoc init {root} "
                           "--data-dir DIR --model-cache DIR`") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: must be a JSON object with the fields {', '.join(PATH_FIELDS)}")
+        raise _config_error(f"{path}: must be a JSON object with the fields {', '.join(PATH_FIELDS)}")
     out = {}
     for key, value in doc.items():
         if key not in PATH_FIELDS:
-            raise ConfigError(f"{path}: field {key!r} is unknown; the fields are {', '.join(PATH_FIELDS)}: remove it")
+            raise _config_error(f"{path}: field {key!r} is unknown; the fields are {', '.join(PATH_FIELDS)}: remove it")
         if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"{path}: field {key!r} must be a folder path (text), got {value!r}")
+            raise _config_error(f"{path}: field {key!r} must be a folder path (text), got {value!r}")
         folder = Path(value).expanduser()
         out[key] = folder if folder.is_absolute() else root / folder
     return out
@@ -122,7 +130,7 @@ def write_project_paths(root: Path, **folders: str) -> Path:
     ``root``'s :data:`PATHS_FILE`, over what it recorded before; returns the file."""
     bad = [k for k in folders if k not in PATH_FIELDS]
     if bad:
-        raise ConfigError(f"unknown project path field(s) {bad}; the fields are {', '.join(PATH_FIELDS)}")
+        raise _config_error(f"unknown project path field(s) {bad}; the fields are {', '.join(PATH_FIELDS)}")
     root = Path(root)
     project_paths(root)            # a damaged file is reported, not overwritten
     current = {k: str(v) for k, v in json.loads((root / PATHS_FILE).read_text(encoding="utf-8")).items()} \

@@ -61,3 +61,18 @@ def test_a_damaged_file_is_one_line_naming_file_field_and_fix(proj, text, words)
     with pytest.raises(ConfigError):                     # and it is not overwritten by a new record
         project.write_project_paths(proj, data_dir="release")
     assert (proj / project.PATHS_FILE).read_text() == text
+
+
+def test_setup_py_loads_the_project_module_with_the_standard_library_only():
+    """setup.py executes memtoc/core/project.py on its own (for PROJECT_FILES) inside pip's isolated
+    build environment, where memtoc is not importable: the module must import the standard library only.
+    ``-I -S`` gives an interpreter without site-packages, hence without memtoc."""
+    import subprocess
+    import sys
+    code = ("import importlib.util, sys; "
+            f"spec = importlib.util.spec_from_file_location('_p', {str(project.__file__)!r}); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "assert 'memtoc' not in sys.modules; print(len(m.PROJECT_FILES))")
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout) == len(project.PROJECT_FILES)
