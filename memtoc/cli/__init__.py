@@ -25,6 +25,8 @@ COMMANDS = {
                                     "which GPU lock fits: memtoc gpucheck --env"),
     "merge": ("memtoc.run.merge", "one run from runs that each ran some models (one per GPU): memtoc merge OUT RUN_A RUN_B ..."),
     "export": ("memtoc.run.export", "a run's scored replies as a dataset (Parquet + card): memtoc export RUN_DIR OUT"),
+    "import-inspect": ("memtoc.run.inspect_import", "an Inspect log of the memtoc task as a run directory (01-03 "
+                                                    "summaries, report): memtoc import-inspect LOG RUN_DIR"),
     "verify": ("memtoc.cli.verify", "re-derive every claim of a run: memtoc verify RUN_DIR"),
     "transfer": ("memtoc.stages.transfer", "external MC set: memtoc transfer validate|import|score|builtin ..."),
     "init": ("memtoc.cli.init", "make a project folder (notebooks, params, paper) for an installed memtoc: memtoc init DIR"),
