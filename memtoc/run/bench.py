@@ -35,6 +35,13 @@ generation
     ``prefill_tail`` (the prompts' last chunks as one-token steps, or one forward per prompt) and
     counts the replies that differ.
 
+    ``--peer vllm`` (run it in the environment of ``make vllm-env``) starts vLLM's engine on the same model
+    with memtoc's settings (its dtype, greedy, the token budget, the FINAL-line stop; ``--peer-option
+    KEY=VALUE`` adds engine options such as ``enforce_eager=true``) and times it in turn with memtoc's
+    batched engine (memtoc, vLLM, memtoc, vLLM, ... ``--repeats`` pairs, each cold: the prefix caches of
+    both dropped), reporting both medians per episode, their ratio, the engine's start time, and the
+    replies that differ from memtoc's (:func:`peer_comparison`).
+
 stats
     ``memtoc.run.bench.stats_benchmark()`` (bootstrap and sign-flip timings), printed.
 """
@@ -136,10 +143,12 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                      loop_n: Optional[int] = None, release_dir: Optional[str] = None,
                      decode: str = "compact", compare_decode: bool = False, share_prefix: bool = True,
                      compare_share: bool = False, repeats: int = 3, compare_tail: bool = False,
-                     backend_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                     backend_options: Optional[dict[str, Any]] = None, peer: Optional[str] = None,
+                     peer_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     import torch
 
-
+    if peer is not None and peer not in PEERS:
+        raise ConfigError(f"peer {peer!r}: the peers are {', '.join(PEERS)}")
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
                          show_progress=False, decode=decode, share_prefix=share_prefix, **(backend_options or {}))
@@ -193,8 +202,78 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
     out.update(_comparison_runs(gen, prompts, batched, t_batch, s_loop, bound, decode=decode,
                                 share_prefix=share_prefix, compare_share=compare_share,
                                 compare_decode=compare_decode, check_stop=check_stop, compare_tail=compare_tail))
+    if peer is not None:
+        out.update(peer_comparison(gen, prompts, batched, _peer_loader(peer, model, out["dtype"], max_new_tokens,
+                                                                         peer_options or {}), repeats))
+        out["peer_options"] = dict(peer_options or {})
     gen.close()
     return out
+
+
+PEERS = ("vllm",)
+
+
+def _peer_loader(peer: str, model: str, dtype: str, max_new_tokens: int, options: dict[str, Any]):
+    """A function that starts the peer engine with memtoc's decoding settings: the same model and weights,
+    the dtype memtoc's engine runs in, greedy, the same token budget and FINAL-line stop."""
+    if peer not in PEERS:
+        raise ConfigError(f"--peer {peer!r}: the peers are {', '.join(PEERS)}")
+
+    def load():
+        return load_generator(model, backend=peer, dtype=dtype, max_new_tokens=max_new_tokens, show_progress=False,
+                              **options)
+    return load
+
+
+def _peer_version(peer_gen) -> Optional[str]:
+    from importlib import metadata
+    for dist in (peer_gen.backend, f"{peer_gen.backend}-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def peer_comparison(gen, prompts: list[str], batched: list, load_peer, repeats: int) -> dict[str, Any]:
+    """memtoc's batched engine and a peer engine (``load_peer()``: vLLM's) on the same prompts, timed in
+    turn (memtoc, peer, memtoc, peer, ...; ``repeats`` pairs, each cold: memtoc's kept prefill chunks and
+    the peer's prefix cache dropped before every run), medians reported. Both engines render the prompts
+    with the model's own chat template into the same token ids and decode greedily with the same budget
+    and stop rule, so the replies are compared one by one."""
+    n = len(prompts)
+    t0 = time.perf_counter()
+    peer = load_peer()
+    t_start = time.perf_counter() - t0
+    try:
+        peer.generate(prompts[:2])                # warm-up, as for memtoc's engine
+        mine, theirs, first, differing_repeats = [], [], None, 0
+        for _ in range(max(1, repeats)):
+            _, t = _timed(gen, prompts)
+            mine.append(t)
+            reset = getattr(getattr(peer, "llm", None), "reset_prefix_cache", None)
+            if reset is not None:
+                reset()
+            t1 = time.perf_counter()
+            replies = peer.generate(prompts)
+            theirs.append(time.perf_counter() - t1)
+            if first is None:
+                first = replies
+            else:
+                differing_repeats += sum(a.text != b.text for a, b in zip(first, replies))
+        s_mine, s_peer = statistics.median(mine) / n, statistics.median(theirs) / n
+        return {
+            "peer": peer.backend, "peer_version": _peer_version(peer), "peer_engine_start_s": t_start,
+            "s_per_episode_batched_interleaved": s_mine, "s_per_episode_peer": s_peer,
+            "s_per_episode_peer_repeats": [t / n for t in theirs],
+            "s_per_episode_batched_interleaved_repeats": [t / n for t in mine],
+            "peer_over_memtoc": s_peer / s_mine,
+            "replies_differing_memtoc_vs_peer": sum(a.text != b.text for a, b in zip(batched, first)),
+            "replies_differing_between_peer_repeats": differing_repeats,
+            "new_tokens_per_episode_peer": sum(r.n_new_tokens for r in first) / n,
+        }
+    finally:
+        peer.close()
 
 
 def _time_batched(gen, prompts: list[str], repeats: int) -> tuple[list, list[float], int, dict[str, int]]:
@@ -316,10 +395,27 @@ def _print_generation(r: dict[str, Any]) -> None:
             print(f"  batched, last chunk '{other}': {r[f's_per_episode_batched_tail_{other}']:.3f} s/episode "
                   f"({ratio:.2f}x the '{r['prefill_tail']}' time); replies "
                   f"differing: {r['replies_differing_between_tails']} of {r['n_episodes']}")
+    if "peer" in r:
+        print(f"  peer {r['peer']} {r['peer_version']}: {r['s_per_episode_peer']:.3f} s/episode against memtoc's "
+              f"{r['s_per_episode_batched_interleaved']:.3f} in the same turns (peer / memtoc = "
+              f"{r['peer_over_memtoc']:.2f}); engine start {r['peer_engine_start_s']:.1f} s; replies differing from "
+              f"memtoc's: {r['replies_differing_memtoc_vs_peer']} of {r['n_episodes']}, between its repeats: "
+              f"{r['replies_differing_between_peer_repeats']}; options {r.get('peer_options') or {}}")
     if "final_stop_speedup" in r:
         print(f"  FINAL-line stop : {r['final_stop_speedup']:.2f}x faster than running to EOS/max "
               f"({r['new_tokens_per_episode_no_final_stop']:.1f} new tokens); extracted answer changed in "
               f"{r['final_stop_changed_extraction']} of {r['n_episodes']}")
+
+
+def _options(items: list[str]) -> dict[str, Any]:
+    import yaml
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--peer-option {item!r}: write KEY=VALUE, e.g. enforce_eager=true")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 def cli(argv: list[str]) -> int:
@@ -350,6 +446,11 @@ def cli(argv: list[str]) -> int:
     g.add_argument("--max-batch", type=int, default=None, help="transformers backend option max_batch")
     g.add_argument("--token-budget", type=int, default=None, help="transformers backend option token_budget")
     g.add_argument("--release", default=None)
+    g.add_argument("--peer", default=None, choices=PEERS,
+                   help="also time this engine on the same prompts, in turn with memtoc's (vllm: in the "
+                        "environment of make vllm-env), and count the replies that differ")
+    g.add_argument("--peer-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine option of the peer (YAML value), e.g. enforce_eager=true; repeatable")
     s = sub.add_parser("stats", help="bootstrap / sign-flip timings (memtoc.run.bench.stats_benchmark)")
     s.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -365,7 +466,8 @@ def cli(argv: list[str]) -> int:
                              share_prefix=not a.no_share_prefix, compare_share=a.compare_share,
                              repeats=max(1, a.repeats), compare_tail=a.compare_tail,
                              backend_options={k: v for k, v in (("max_batch", a.max_batch),
-                                                                ("token_budget", a.token_budget)) if v})
+                                                                ("token_budget", a.token_budget)) if v},
+                             peer=a.peer, peer_options=_options(a.peer_option))
         print(json.dumps(r)) if a.json else _print_generation(r)
         return 0
     r = stats_benchmark()

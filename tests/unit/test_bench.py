@@ -56,3 +56,57 @@ def test_bench_generation_reports_every_field_on_a_small_run():
     # the 4 prompts share the instruction: fewer prompt tokens computed than given
     assert r["prompt_tokens_computed_per_episode_batched"] < r["prompt_tokens_per_episode_batched"]
     assert r["replies_differing_between_repeats"] == 0
+
+
+class _Reply:
+    def __init__(self, text, n_new_tokens=3):
+        self.text, self.n_new_tokens = text, n_new_tokens
+
+
+class _Engine:
+    """A stand-in generator that records when it runs and answers by a rule."""
+
+    def __init__(self, name, log, rule, backend="vllm"):
+        self.name, self.log, self.rule, self.backend, self.closed = name, log, rule, backend, False
+        self.llm = self
+
+    def generate(self, prompts):
+        self.log.append((self.name, len(prompts)))
+        return [_Reply(self.rule(p)) for p in prompts]
+
+    def reset_prefix_cache(self):
+        self.log.append((self.name, "reset"))
+
+    def forget_prefixes(self):
+        self.log.append((self.name, "forget"))
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_peer_is_timed_in_turn_with_memtoc_and_its_replies_compared():
+    log = []
+    prompts = [f"p{i}" for i in range(6)]
+    mine = _Engine("memtoc", log, lambda p: p.upper(), backend="transformers")
+    peers = []
+
+    def load():
+        peers.append(_Engine("peer", log, lambda p: p.upper() if p != "p3" else "other"))
+        return peers[-1]
+
+    out = bench.peer_comparison(mine, prompts, mine.generate(prompts), load, repeats=2)
+    runs = [entry for entry in log[1:] if entry[1] == 6 or entry[1] == 2]
+    assert runs == [("peer", 2), ("memtoc", 6), ("peer", 6), ("memtoc", 6), ("peer", 6)]   # warm-up, then in turn
+    assert ("peer", "reset") in log and ("memtoc", "forget") in log                      # cold each time
+    assert out["replies_differing_memtoc_vs_peer"] == 1 and out["replies_differing_between_peer_repeats"] == 0
+    assert out["peer"] == "vllm" and len(out["s_per_episode_peer_repeats"]) == 2
+    assert out["peer_over_memtoc"] == pytest.approx(out["s_per_episode_peer"] / out["s_per_episode_batched_interleaved"])
+    assert peers[0].closed
+
+
+def test_an_unknown_peer_and_a_bad_peer_option_are_refused():
+    with pytest.raises(ConfigError, match="peers are vllm"):
+        bench.bench_generation(n=2, peer="llamacpp")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        bench._options(["enforce_eager"])
+    assert bench._options(["enforce_eager=true", "max_num_seqs=8"]) == {"enforce_eager": True, "max_num_seqs": 8}
