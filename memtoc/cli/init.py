@@ -10,10 +10,10 @@ package's folder::
     memtoc run params/smoke.yaml
 
 Existing files are kept when identical; a differing one stops the copy (``--force`` overwrites).
-``--data-dir DIR`` / ``--model-cache DIR`` record where the folder's release copies and prepared models
-live (``memtoc-paths.json``; a relative path is taken from the project folder), so that memtoc finds
-them from the folder without ``MEMTOC_DATA_DIR`` / ``MEMTOC_MODEL_CACHE`` (Colab: after a restart or in
-a new session).
+``--data-dir DIR`` / ``--model-cache DIR`` / ``--hub-cache DIR`` record where the folder's release copies,
+prepared models and Hugging Face hub downloads live (``memtoc-paths.json``; a relative path is taken from
+the project folder), so that memtoc finds them from the folder without ``MEMTOC_DATA_DIR`` /
+``MEMTOC_MODEL_CACHE`` / ``HF_HUB_CACHE`` (Colab: after a restart or in a new session).
 """
 from __future__ import annotations
 
@@ -78,11 +78,13 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--data-dir", default=None, help="record where this project's release copies live "
                     "(memtoc-paths.json; relative to the project folder)")
     ap.add_argument("--model-cache", default=None, help="record where this project's prepared models live")
+    ap.add_argument("--hub-cache", default=None, help="record where this project's Hugging Face hub downloads "
+                    "(the paper models' weights) go, e.g. a folder on Google Drive")
     a = ap.parse_args(argv)
     written = init_project(Path(a.dir), force=a.force)
     dest = Path(a.dir).expanduser().resolve()
-    if a.data_dir or a.model_cache:
-        f = write_project_paths(dest, data_dir=a.data_dir, model_cache=a.model_cache)
+    if a.data_dir or a.model_cache or a.hub_cache:
+        f = write_project_paths(dest, data_dir=a.data_dir, model_cache=a.model_cache, hub_cache=a.hub_cache)
         print(f"memtoc init: {f} records " + ", ".join(f"{k} {v}" for k, v in project_paths(dest).items()))
     print(f"memtoc init: {len(written)} file(s) written to {dest}; next: cd {dest} && memtoc run params/smoke.yaml "
           f"(or set MEMTOC_HOME={dest})")

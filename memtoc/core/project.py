@@ -96,6 +96,8 @@ PATHS_FILE = "memtoc-paths.json"
 PATH_FIELDS = {
     "data_dir": "where `memtoc data fetch` installs, and memtoc finds, verified release copies (after $MEMTOC_DATA_DIR)",
     "model_cache": "where prepared models are kept (after $MEMTOC_MODEL_CACHE)",
+    "hub_cache": "where the paper models' Hugging Face hub downloads go (after $HF_HUB_CACHE and $HF_HOME; "
+                 "default the hub's own, ~/.cache/huggingface/hub)",
 }
 
 

@@ -57,6 +57,7 @@ from memtoc.generation.weights import (
     ModelError,
     adapter_hash,
     hash_dir_files,
+    hub_cache_dir,
     model_cache_root,
     weight_files,
     weights_hash,
@@ -286,9 +287,10 @@ def _prepare_hub(spec: ModelSpec) -> Path:
         from huggingface_hub import snapshot_download
         # consolidated.safetensors (Mistral's own-format copy of the weights, ~14.5 GB) and original/
         # (Llama's) are never read by transformers
+        hub_cache = hub_cache_dir()      # the project's recorded folder (Colab: Drive), else the hub's own
         return Path(snapshot_download(spec.hub_id, allow_patterns=[
             "*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"],
-            ignore_patterns=["consolidated*", "original/*"]))
+            ignore_patterns=["consolidated*", "original/*"], cache_dir=str(hub_cache) if hub_cache else None))
     except Exception as e:  # network, gating, disk
         raise ModelError(f"could not download {spec.hub_id} ({type(e).__name__}: {e}); it needs network "
                          "access and, for gated models (Llama, Gemma), an accepted licence and HF_TOKEN; "

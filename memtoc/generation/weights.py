@@ -11,7 +11,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from memtoc.core.errors import MemtocError
 from memtoc.core.io import sha256_file
@@ -30,6 +30,14 @@ def model_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     if os.environ.get("MEMTOC_MODEL_CACHE"):
         return Path(os.environ["MEMTOC_MODEL_CACHE"]).expanduser()
     return project_paths().get("model_cache") or Path("~/.cache/memtoc/models").expanduser()
+
+
+def hub_cache_dir() -> Optional[Path]:
+    """Where hub downloads of the paper models go: None (the hub's own choice) when ``$HF_HUB_CACHE`` or
+    ``$HF_HOME`` is set, else the project's recorded ``hub_cache`` (``memtoc-paths.json``), else None."""
+    if os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME"):
+        return None
+    return project_paths().get("hub_cache")
 
 
 def weight_files(path: Path) -> list[Path]:

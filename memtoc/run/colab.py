@@ -51,6 +51,7 @@ INCOMPATIBLE = (
                           "whenever it creates a LoRA layer: 04 and 06 training, adapter merging, gpucheck's DPO step"),
 )
 DRIVE_ROOT = Path("/content/drive/MyDrive")
+HUB_FOLDER = "hub"          # the project's Hugging Face hub cache when it is kept on Drive
 LOCAL_ROOT = Path("/content")
 
 
@@ -138,9 +139,14 @@ def installed_versions() -> dict[str, str]:
 
 def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[[str], Any]] = None,
           drive_mounted: Optional[bool] = None, login: Optional[Callable[[str], Any]] = None,
-          log: Callable[[str], Any] = print, driver: Optional[str] = "ask") -> Optional[Layout]:
+          log: Callable[[str], Any] = print, driver: Optional[str] = "ask",
+          hub_cache_on_drive: bool = False) -> Optional[Layout]:
     """Everything after memtoc itself is installed (see the module docstring); None off Colab.
-    ``driver``: the NVIDIA driver version (default: ask ``nvidia-smi``; None: a CPU runtime)."""
+    ``driver``: the NVIDIA driver version (default: ask ``nvidia-smi``; None: a CPU runtime).
+    ``hub_cache_on_drive``: with Drive mounted, the project records ``<project>/hub`` as the Hugging Face
+    hub cache, so the paper models' weights are downloaded once and kept on Drive (about 80 GB for the five
+    models: more than Drive's free 15 GB); otherwise they go to the VM and are downloaded again in every
+    session."""
     if not on_colab():
         log("not on Colab: nothing to set up (install with `make install` or pip, docs/gpu.md)")
         return None
@@ -164,8 +170,11 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
     os.environ.update(where.environment())
     # the folder records where its release and models are (memtoc-paths.json): a restarted kernel or a
     # new session started in it finds them without the environment set here
+    hub = ["--hub-cache", HUB_FOLDER] if hub_cache_on_drive and where.on_drive else []
+    if hub_cache_on_drive and not where.on_drive:
+        log("hub cache on Drive asked for, but Drive is not mounted: the weights go to the VM's hub cache")
     run([sys.executable, "-m", "memtoc", "init", str(where.project), "--data-dir", "release",
-         "--model-cache", "models"])
+         "--model-cache", "models", *hub])
     run([sys.executable, "-m", "memtoc", "data", "fetch"])
     token = hub_token(get_secret) if get_secret else None
     if token and login:

@@ -69,6 +69,22 @@ def test_setup_on_a_mocked_colab(monkeypatch):
     assert os.environ["MEMTOC_HOME"] == "/content/drive/MyDrive/memtoc"
 
 
+@pytest.mark.parametrize("mounted", [True, False])
+def test_the_hub_cache_goes_to_drive_when_asked(monkeypatch, mounted):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {})
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")
+    ran, said = [], []
+    colab.setup(run=ran.append, drive_mounted=mounted, log=said.append, driver=None, hub_cache_on_drive=True)
+    init = next(cmd for cmd in ran if "init" in cmd)
+    assert ("--hub-cache" in init) == mounted
+    if mounted:
+        assert init[-2:] == ["--hub-cache", colab.HUB_FOLDER]
+    else:
+        assert any("Drive is not mounted" in s for s in said)
+
+
 @pytest.mark.parametrize("driver, lock, keep_torch", [
     (None, "requirements/cpu.lock", True),               # a CPU runtime
     ("550.54.15", "requirements/gpu-cu12.lock", False),  # Colab's CUDA 12 driver

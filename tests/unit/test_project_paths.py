@@ -76,3 +76,27 @@ def test_setup_py_loads_the_project_module_with_the_standard_library_only():
     r = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout) == len(project.PROJECT_FILES)
+
+
+def test_the_paper_models_download_into_the_recorded_hub_cache(proj, monkeypatch, tmp_path):
+    """Colab keeps the ~80 GB of paper weights on Drive only if the hub downloads go there: memtoc passes
+    the project's recorded ``hub_cache`` to ``snapshot_download``, unless HF_HUB_CACHE / HF_HOME decide."""
+    import huggingface_hub
+
+    from memtoc.generation import models
+    for var in ("HF_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: asked.append((repo, kw.get("cache_dir"))) or str(tmp_path / "snap"))
+    spec = models.get_model("qwen2.5-7b-instruct")
+    models._prepare_hub(spec)
+    assert asked[-1] == (spec.hub_id, None)                                  # nothing recorded: the hub's own
+    project.write_project_paths(proj, hub_cache="hub")
+    models._prepare_hub(spec)
+    assert asked[-1] == (spec.hub_id, str(proj / "hub"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))                     # the environment still wins
+    models._prepare_hub(spec)
+    assert asked[-1] == (spec.hub_id, None)
+    assert cli.main(["init", str(proj), "--hub-cache", "elsewhere"]) == 0
+    assert project.project_paths(proj)["hub_cache"] == proj / "elsewhere"
