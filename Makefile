@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 PARAMS  ?= params/default.yaml
 LOCK    ?= requirements/cpu.lock
 
-.PHONY: install data run docs test test-fast smoke bench clean-run vllm-env test-vllm smoke-vllm
+.PHONY: install data run docs test test-fast test-locks smoke bench clean-run vllm-env test-vllm smoke-vllm
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -40,10 +40,15 @@ docs: install
 	$(BIN)/python -m memtoc.run.snapshot outputs/default docs/results
 
 test: install
-	$(BIN)/python -m pytest -q -ra --durations=15
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not registry"
+
+# every lock resolved under the real interpreter of each Python it admits (asks the package index;
+# about three minutes per lock and interpreter): tests/locks
+test-locks: install
+	$(BIN)/python -m pytest -q -ra -m registry tests/locks
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not integration"
+	$(BIN)/python -m pytest -q -m "not integration and not registry"
 
 bench: install
 	$(BIN)/memtoc bench generation

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+import sys
 import warnings
 from importlib import metadata
 from dataclasses import dataclass
@@ -122,6 +123,9 @@ CUDA13_DRIVER = 580
 CUDA12_DRIVER = 525
 GPU_LOCK = "requirements/gpu.lock"           # vLLM 0.33, torch 2.14.0 (CUDA 13)
 GPU_CU12_LOCK = "requirements/gpu-cu12.lock"  # vLLM 0.19.1, torch 2.10.0 (CUDA 12.8): Colab
+#: the CPython versions each GPU lock was resolved under (its header's "resolved for CPython" line, checked
+#: by tests/unit/test_gpuenv.py; tests/locks resolves them again)
+LOCK_PYTHONS = {GPU_LOCK: ("3.11", "3.12"), GPU_CU12_LOCK: ("3.12", "3.13")}
 
 
 @dataclass(frozen=True)
@@ -150,9 +154,25 @@ def _major(version: Optional[str]) -> Optional[int]:
         return None
 
 
-def choose_lock(driver: Optional[str], torch_cuda: Optional[str] = None) -> LockChoice:
+def choose_lock(driver: Optional[str], torch_cuda: Optional[str] = None, python: Optional[str] = None) -> LockChoice:
     """Which GPU lock applies for NVIDIA driver ``driver`` (None: no NVIDIA GPU); ``torch_cuda`` (the
-    installed torch's ``torch.version.cuda``) adds a warning when that build cannot run on the driver."""
+    installed torch's ``torch.version.cuda``) adds a warning when that build cannot run on the driver;
+    ``python`` ("3.12"; default the running interpreter's) picks among the locks that fit the driver the one
+    resolved for that Python (:data:`LOCK_PYTHONS`), or says which Python to use."""
+    choice = _lock_for_driver(driver, torch_cuda)
+    if choice.lock is None:
+        return choice
+    python = python or f"{sys.version_info.major}.{sys.version_info.minor}"
+    if python in LOCK_PYTHONS[choice.lock]:
+        return choice
+    if choice.lock == GPU_LOCK and python in LOCK_PYTHONS[GPU_CU12_LOCK]:   # CUDA 13 drivers run CUDA 12 builds
+        return LockChoice(GPU_CU12_LOCK, choice.reason + f"; {GPU_LOCK} is resolved for CPython "
+                          f"{', '.join(LOCK_PYTHONS[GPU_LOCK])}, not {python}: {GPU_CU12_LOCK} instead")
+    return LockChoice(None, choice.reason + f"; but {choice.lock} is resolved for CPython "
+                      f"{', '.join(LOCK_PYTHONS[choice.lock])}, not {python}: use one of those Pythons")
+
+
+def _lock_for_driver(driver: Optional[str], torch_cuda: Optional[str]) -> LockChoice:
     major = _major(driver)
     if driver is None:
         return LockChoice(None, "no NVIDIA driver (nvidia-smi not found): no GPU lock applies; "

@@ -109,11 +109,12 @@ def incompatible(installed: dict[str, str]) -> list[tuple[str, str, str]]:
     return out
 
 
-def colab_lock(driver: Optional[str]) -> tuple[str, bool, str]:
+def colab_lock(driver: Optional[str], python: Optional[str] = None) -> tuple[str, bool, str]:
     """(lock file, keep Colab's torch, why) for a runtime whose NVIDIA driver is ``driver`` (None: a
-    CPU runtime): the GPU lock :func:`memtoc.generation.hardware.choose_lock` picks, with its own torch; else
-    ``requirements/cpu.lock`` on Colab's torch."""
-    choice = choose_lock(driver)
+    CPU runtime) and whose Python is ``python`` (default the running one): the GPU lock
+    :func:`memtoc.generation.hardware.choose_lock` picks, with its own torch; else ``requirements/cpu.lock``
+    on Colab's torch."""
+    choice = choose_lock(driver, python=python)
     if choice.lock is None:
         return "requirements/cpu.lock", True, choice.reason
     return choice.lock, False, choice.reason

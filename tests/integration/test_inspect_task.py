@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 inspect_ai = pytest.importorskip("inspect_ai", reason="the optional extra memtoc[inspect] (in requirements/cpu.lock)")
@@ -23,7 +24,7 @@ from inspect_ai.model import ModelOutput, ModelUsage, get_model  # noqa: E402
 
 from memtoc.core import prompts  # noqa: E402
 from memtoc.core.errors import ConfigError, DataError  # noqa: E402
-from memtoc.run import inspect_import, inspect_task  # noqa: E402
+from memtoc.run import export, inspect_import, inspect_task  # noqa: E402
 from memtoc.stages.report import claims  # noqa: E402
 
 N_Q = 6
@@ -134,6 +135,8 @@ def test_an_imported_log_is_a_run_that_verifies(keeper, tmp_path):
     assert cfg["source"]["model"] == "mockllm/model" and cfg["params"]["n_questions"] == N_Q
     result = claims.verify(run)
     assert result.ok, result.table()
+    export.export_run(run, tmp_path / "dataset")                        # and it publishes as a dataset
+    assert len(pd.read_parquet(tmp_path / "dataset" / "episodes.parquet")) == len(log.samples)
     with pytest.raises(ConfigError, match="not empty"):
         inspect_import.import_log(log.location, run)
     with pytest.raises(DataError, match="no such Inspect log"):

@@ -91,8 +91,13 @@ def test_the_hub_cache_goes_to_drive_when_asked(monkeypatch, mounted):
     ("580.82.07", "requirements/gpu.lock", False),       # a CUDA 13 driver
 ])
 def test_colab_picks_the_lock_for_its_driver(driver, lock, keep_torch):
-    name, keep, why = colab.colab_lock(driver)
+    name, keep, why = colab.colab_lock(driver, python="3.12")            # Colab's Python
     assert (name, keep) == (lock, keep_torch) and why and (REPO_ROOT / name).is_file()
+
+
+def test_a_python_the_cuda12_lock_was_not_resolved_for_gets_the_cpu_lock_and_the_reason():
+    name, keep, why = colab.colab_lock("550.54.15", python="3.11")
+    assert (name, keep) == ("requirements/cpu.lock", True) and "not 3.11" in why
 
 
 def test_setup_on_a_mocked_colab_gpu_installs_the_cuda12_lock_with_its_torch(monkeypatch):
@@ -100,6 +105,8 @@ def test_setup_on_a_mocked_colab_gpu_installs_the_cuda12_lock_with_its_torch(mon
     monkeypatch.setattr(colab, "installed_versions", lambda: {"torch": "2.11.0+cu128", "ipykernel": "6.17.1"})
     for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
         monkeypatch.setenv(k, "unset")
+    lock_for = colab.colab_lock
+    monkeypatch.setattr(colab, "colab_lock", lambda driver: lock_for(driver, python="3.12"))   # Colab's Python
     ran, said = [], []
     colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver="550.54.15")
     pip = ran[0]

@@ -156,8 +156,28 @@ def test_quick_plan_check_needs_a_gpu(monkeypatch, capsys, tmp_path):
     ("N/A", None, None, "not a version"),
 ])
 def test_the_lock_follows_the_driver(driver, torch_cuda, lock, words):
-    choice = gpuenv.choose_lock(driver, torch_cuda)
+    choice = gpuenv.choose_lock(driver, torch_cuda, python="3.12")
     assert choice.lock == lock and words in choice.reason and "\n" not in choice.reason
+
+
+@pytest.mark.parametrize("driver, python, lock, words", [
+    ("535.104.05", "3.11", None, "use one of those Pythons"),           # gpu-cu12.lock: 3.12 and 3.13 only
+    ("535.104.05", "3.13", gpuenv.GPU_CU12_LOCK, "CUDA 12"),
+    ("580.65.06", "3.13", gpuenv.GPU_CU12_LOCK, "instead"),              # gpu.lock: 3.11 and 3.12 only
+    ("580.65.06", "3.11", gpuenv.GPU_LOCK, "CUDA 13"),
+])
+def test_the_lock_follows_the_python_it_was_resolved_for(driver, python, lock, words):
+    choice = gpuenv.choose_lock(driver, python=python)
+    assert choice.lock == lock and words in choice.reason
+
+
+def test_the_lock_pythons_are_the_ones_each_lock_header_names():
+    import re
+
+    from memtoc.core.project import REPO_ROOT
+    for lock, pythons in gpuenv.LOCK_PYTHONS.items():
+        line = re.search(r"^# resolved for CPython: (.+)$", (REPO_ROOT / lock).read_text(), re.MULTILINE)
+        assert line and tuple(v.strip() for v in line.group(1).split(",")) == pythons, lock
 
 
 def test_a_cu12_driver_with_a_cu12_torch_gets_no_warning():
@@ -188,7 +208,12 @@ def test_gpucheck_env_names_the_lock_and_needs_no_gpu(monkeypatch, capsys):
     monkeypatch.setattr(gpucheck, "driver_version", lambda: "535.104.05")
     assert cli.main(["gpucheck", "--env"]) == 0
     out = capsys.readouterr().out
-    assert "NVIDIA driver: 535.104.05" in out and "lock: requirements/gpu-cu12.lock" in out
+    # a CUDA 12 driver: gpu-cu12.lock where the running Python is one it was resolved for, else which to use
+    import sys
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    fits = python in gpuenv.LOCK_PYTHONS[gpuenv.GPU_CU12_LOCK]
+    assert "NVIDIA driver: 535.104.05" in out
+    assert ("lock: requirements/gpu-cu12.lock" in out) if fits else (f"not {python}: use one of those Pythons" in out)
     monkeypatch.setattr(gpucheck, "driver_version", lambda: None)
     assert cli.main(["gpucheck", "--env"]) == 0
     assert "lock: no GPU lock" in capsys.readouterr().out
