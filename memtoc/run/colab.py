@@ -7,7 +7,9 @@ On Colab only (nothing happens elsewhere):
    driver (``requirements/gpu-cu12.lock`` on Colab's CUDA 12 driver: vLLM 0.19.1 with its torch 2.10.0
    for CUDA 12.8, replacing Colab's torch), on a CPU runtime ``requirements/cpu.lock`` without torch
    (Colab's own torch is kept); *never* the packages the kernel runs on (jupyter, ipykernel, IPython,
-   tornado, ...);
+   tornado, ...); it says which of the image's packages it replaced (old -> new version) and what ``pip
+   check`` then reports broken among the image's own packages, and keeps both in
+   ``<project>/colab-install.json``;
 2. makes the project folder (``memtoc init``): on Google Drive when it is mounted
    (``/content/drive/MyDrive/memtoc``: outputs, the model cache and the release survive the session),
    else ``/content/memtoc`` (wiped when the runtime is recycled);
@@ -22,6 +24,7 @@ torch in this notebook. Neither lock has been run on Colab by this repository ye
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -51,6 +54,7 @@ INCOMPATIBLE = (
                           "whenever it creates a LoRA layer: 04 and 06 training, adapter merging, gpucheck's DPO step"),
 )
 DRIVE_ROOT = Path("/content/drive/MyDrive")
+INSTALL_RECORD = "colab-install.json"   # what the set-up installed and replaced, and pip check's report
 HUB_FOLDER = "hub"          # the project's Hugging Face hub cache when it is kept on Drive
 LOCAL_ROOT = Path("/content")
 
@@ -98,6 +102,23 @@ def install_plan(lock_lines: Iterable[str], installed: dict[str, str], keep_gpu_
     return out
 
 
+def replacements(pins: Iterable[str], installed: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(name, the image's version, the lock's version)`` of each pin that replaces a package the image
+    already has (pure)."""
+    out = []
+    for pin in pins:
+        name, want = _name(pin), pin.split("==", 1)[1]
+        if name in installed and installed[name] != want:
+            out.append((name, installed[name], want))
+    return out
+
+
+def pip_check() -> list[str]:
+    """The broken requirements ``pip check`` reports for the kernel's Python (empty: none)."""
+    r = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+    return [] if r.returncode == 0 else [line for line in r.stdout.splitlines() if line.strip()]
+
+
 def incompatible(installed: dict[str, str]) -> list[tuple[str, str, str]]:
     """``(name, installed version, why)`` of each installed package of :data:`INCOMPATIBLE` below its first
     good version (pure)."""
@@ -141,13 +162,14 @@ def installed_versions() -> dict[str, str]:
 def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[[str], Any]] = None,
           drive_mounted: Optional[bool] = None, login: Optional[Callable[[str], Any]] = None,
           log: Callable[[str], Any] = print, driver: Optional[str] = "ask",
-          hub_cache_on_drive: bool = False) -> Optional[Layout]:
+          hub_cache_on_drive: bool = False, check: Callable[[], list[str]] = pip_check) -> Optional[Layout]:
     """Everything after memtoc itself is installed (see the module docstring); None off Colab.
     ``driver``: the NVIDIA driver version (default: ask ``nvidia-smi``; None: a CPU runtime).
     ``hub_cache_on_drive``: with Drive mounted, the project records ``<project>/hub`` as the Hugging Face
     hub cache, so the paper models' weights are downloaded once and kept on Drive (about 80 GB for the five
     models: more than Drive's free 15 GB); otherwise they go to the VM and are downloaded again in every
-    session."""
+    session. What the install replaced, and what ``pip check`` then reports broken among Colab's own
+    packages (``check``), is said and kept in ``<project>/colab-install.json``."""
     if not on_colab():
         log("not on Colab: nothing to set up (install with `make install` or pip, docs/gpu.md)")
         return None
@@ -160,6 +182,10 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
         log(f"removing {name} {have}: {why}")
         run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", name])
     pins = install_plan(lock, installed, keep_gpu_stack=keep_torch)
+    replaced = replacements(pins, installed)
+    if replaced:
+        log(f"replacing {len(replaced)} of the image's packages with the lock's versions: "
+            + ", ".join(f"{n} {have} -> {want}" for n, have, want in replaced))
     if pins:
         log(f"installing {len(pins)} packages the image lacks (the kernel's own packages "
             + ("and Colab's torch left as they are)" if keep_torch else "left as they are; torch replaced by the "
@@ -176,6 +202,14 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
         log("hub cache on Drive asked for, but Drive is not mounted: the weights go to the VM's hub cache")
     run([sys.executable, "-m", "memtoc", "init", str(where.project), "--data-dir", "release",
          "--model-cache", "models", *hub])
+    broken = check() if pins else []
+    if broken:
+        log(f"after the install, pip check reports {len(broken)} broken requirement(s) of the image's own packages "
+            "(memtoc does not use them; a notebook that does may fail): " + "; ".join(broken))
+    if where.project.is_dir():
+        (where.project / INSTALL_RECORD).write_text(json.dumps({
+            "lock": lock_name, "reason": why, "installed": pins, "replaced": [list(r) for r in replaced],
+            "pip_check": broken}, indent=1) + "\n", encoding="utf-8")
     run([sys.executable, "-m", "memtoc", "data", "fetch"])
     token = hub_token(get_secret) if get_secret else None
     if token and login:

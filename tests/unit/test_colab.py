@@ -57,7 +57,7 @@ def test_setup_on_a_mocked_colab(monkeypatch):
         monkeypatch.setenv(k, "unset")   # recorded, so the values setup() writes are undone after the test
     ran, logins, said = [], [], []
     lay = colab.setup(run=ran.append, get_secret=lambda k: "hf_secret", drive_mounted=True, login=logins.append,
-                      log=said.append, driver=None)     # a CPU runtime: the CPU lock on Colab's torch
+                      check=list, log=said.append, driver=None)     # a CPU runtime: the CPU lock on Colab's torch
     pip, init, fetch = ran
     assert pip[1:5] == ["-m", "pip", "install", "-q"] and "--no-deps" in pip
     assert not any(p.startswith(("torch==", "ipykernel==", "trl==")) for p in pip)
@@ -76,7 +76,8 @@ def test_the_hub_cache_goes_to_drive_when_asked(monkeypatch, mounted):
     for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
         monkeypatch.setenv(k, "unset")
     ran, said = [], []
-    colab.setup(run=ran.append, drive_mounted=mounted, log=said.append, driver=None, hub_cache_on_drive=True)
+    colab.setup(run=ran.append, drive_mounted=mounted, log=said.append, driver=None, hub_cache_on_drive=True,
+                check=list)
     init = next(cmd for cmd in ran if "init" in cmd)
     assert ("--hub-cache" in init) == mounted
     if mounted:
@@ -108,11 +109,31 @@ def test_setup_on_a_mocked_colab_gpu_installs_the_cuda12_lock_with_its_torch(mon
     lock_for = colab.colab_lock
     monkeypatch.setattr(colab, "colab_lock", lambda driver: lock_for(driver, python="3.12"))   # Colab's Python
     ran, said = [], []
-    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver="550.54.15")
+    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver="550.54.15", check=list)
     pip = ran[0]
     assert "torch==2.10.0" in pip and "vllm==0.19.1" in pip and "nvidia-cublas-cu12==12.8.4.1" in pip
     assert not any(p.startswith(("ipykernel==", "jupyter-client==", "tornado==")) for p in pip)
     assert any("gpu-cu12.lock" in s for s in said) and any("restart the session" in s for s in said)
+
+
+def test_the_setup_says_what_it_replaced_and_what_pip_check_then_reports(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"numpy": "2.0.2", "pandas": "2.2.2", "trl": "1.16.0"})
+    monkeypatch.setattr(colab, "DRIVE_ROOT", tmp_path)
+    for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
+        monkeypatch.setenv(k, "unset")
+    (tmp_path / "memtoc").mkdir()                                   # the folder memtoc init makes
+    said = []
+    colab.setup(run=lambda cmd: None, drive_mounted=True, log=said.append, driver=None,
+                check=lambda: ["cudf 24.4.1 has requirement pandas<2.2.3, but you have pandas 3.1.1."])
+    lock = (REPO_ROOT / "requirements" / "cpu.lock").read_text()
+    want = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#") and "==" in line)
+    line = next(s for s in said if s.startswith("replacing"))
+    assert f"numpy 2.0.2 -> {want['numpy']}" in line and f"pandas 2.2.2 -> {want['pandas']}" in line
+    assert "trl" not in line                                        # already at the lock's version
+    assert any("pip check reports 1 broken" in s and "cudf" in s for s in said)
+    record = json.loads((tmp_path / "memtoc" / colab.INSTALL_RECORD).read_text())
+    assert ["numpy", "2.0.2", want["numpy"]] in record["replaced"] and len(record["pip_check"]) == 1
 
 
 def test_the_cuda12_lock_is_a_cuda12_build():
@@ -184,7 +205,7 @@ def test_colabs_torchao_breaks_every_lora_and_the_setup_removes_it(tiny_model_di
     for k in ("MEMTOC_HOME", "MEMTOC_MODEL_CACHE", "MEMTOC_DATA_DIR"):
         monkeypatch.setenv(k, "unset")
     ran, said = [], []
-    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver=None)
+    colab.setup(run=ran.append, drive_mounted=False, log=said.append, driver=None, check=list)
     assert ran[0][-5:] == ["pip", "uninstall", "-q", "-y", "torchao"] and "install" in ran[1]
     assert any("removing torchao 0.10.0" in s for s in said)
     monkeypatch.undo()                     # torchao gone: the same LoRA layer is created
