@@ -56,8 +56,17 @@ ABOUT = {
 }
 
 
+#: the notebooks that run models (a GPU for the paper's): their block says how to start on Colab
+GPU_NOTEBOOKS = ("02", "03", "04", "05", "06", "07")
+COLAB = ("**On Colab:** open `notebooks/colab_setup.ipynb` first (it installs memtoc and the lock for the "
+         "runtime's GPU, makes the project folder on Drive and fetches the data), then run `!memtoc run "
+         "params/paper.yaml` from the project folder it prints (`--only` with {nn} and the notebooks before it; "
+         "docs/gpu.md).")
+
+
 def block(nn: str, stem: str) -> str:
     what, reads, writes, t_default, t_paper = ABOUT[nn]
+    colab = [COLAB.format(nn=nn) + "  "] if nn in GPU_NOTEBOOKS else []
     return "\n".join([
         START,
         f"**Reproduces:** {what}.  ",
@@ -65,7 +74,8 @@ def block(nn: str, stem: str) -> str:
         f"**Time:** {t_default} in the default run on 2 CPU cores (`docs/measurements.md`); "
         f"`params/paper.yaml`: {t_paper} on one A100-80GB by the dry run's estimate.  ",
         f"**Run it:** `memtoc run params/default.yaml --only {nn}` (with the notebooks before it), or "
-        f"`papermill notebooks/{stem}.ipynb out.ipynb -f params/default.yaml`.",
+        f"`papermill notebooks/{stem}.ipynb out.ipynb -f params/default.yaml`." + ("  " if colab else ""),
+        *[c.rstrip() for c in colab],
         END,
     ])
 
