@@ -63,6 +63,7 @@ from memtoc.core.scoring import extract_final
 from memtoc.core.vocab import ARM_CONDITIONS
 from memtoc.data.benchmark import load_benchmark, select_questions
 from memtoc.data.episodes import build_episodes
+from memtoc.generation.hardware import release_memory
 from memtoc.generation.models import load_generator
 
 
@@ -147,8 +148,8 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
                      peer_options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     import torch
 
-    if peer is not None and peer not in PEERS:
-        raise ConfigError(f"peer {peer!r}: the peers are {', '.join(PEERS)}")
+    if peer is not None:
+        check_peer(peer, peer_options or {})
     prompts = bench_prompts(n, release_dir)
     gen = load_generator(model, batch_size=batch_size, dtype=dtype, max_new_tokens=max_new_tokens,
                          show_progress=False, decode=decode, share_prefix=share_prefix, **(backend_options or {}))
@@ -211,6 +212,22 @@ def bench_generation(n: int = 64, batch_size: Any = "auto", max_new_tokens: int 
 
 
 PEERS = ("vllm",)
+#: what memtoc sets for both engines: a peer option may not change it
+PEER_FIXED = ("backend", "dtype", "max_new_tokens", "stop_at_final", "show_progress", "adapter")
+
+
+def check_peer(peer: str, options: dict[str, Any]) -> None:
+    """Before any timing: the peer is known and installed, and its options leave memtoc's settings alone."""
+    import importlib.util
+    if peer not in PEERS:
+        raise ConfigError(f"peer {peer!r}: the peers are {', '.join(PEERS)}")
+    fixed = sorted(set(options) & set(PEER_FIXED))
+    if fixed:
+        raise ConfigError(f"--peer-option {', '.join(fixed)}: set by memtoc for both engines (the same dtype, "
+                          "budget and stop rule); give engine options only, e.g. enforce_eager=true")
+    if importlib.util.find_spec(peer) is None:
+        raise ConfigError(f"--peer {peer}: the {peer} package is not installed here; run the benchmark in the "
+                          "environment of `make vllm-env` (.venv-vllm/bin/memtoc bench generation --peer vllm)")
 
 
 def _peer_loader(peer: str, model: str, dtype: str, max_new_tokens: int, options: dict[str, Any]):
@@ -220,9 +237,15 @@ def _peer_loader(peer: str, model: str, dtype: str, max_new_tokens: int, options
         raise ConfigError(f"--peer {peer!r}: the peers are {', '.join(PEERS)}")
 
     def load():
+        release_memory("cuda" if _cuda() else None)      # memtoc's engine keeps its weights; free its cache
         return load_generator(model, backend=peer, dtype=dtype, max_new_tokens=max_new_tokens, show_progress=False,
                               **options)
     return load
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _peer_version(peer_gen) -> Optional[str]:
@@ -236,11 +259,15 @@ def _peer_version(peer_gen) -> Optional[str]:
 
 
 def peer_comparison(gen, prompts: list[str], batched: list, load_peer, repeats: int) -> dict[str, Any]:
-    """memtoc's batched engine and a peer engine (``load_peer()``: vLLM's) on the same prompts, timed in
-    turn (memtoc, peer, memtoc, peer, ...; ``repeats`` pairs, each cold: memtoc's kept prefill chunks and
-    the peer's prefix cache dropped before every run), medians reported. Both engines render the prompts
-    with the model's own chat template into the same token ids and decode greedily with the same budget
-    and stop rule, so the replies are compared one by one."""
+    """memtoc's batched engine and a peer engine (``load_peer()``: vLLM's, through memtoc's vLLM backend as
+    02/03 run it) on the same prompts, timed in turn (memtoc, peer, memtoc, peer, ...; ``repeats`` pairs,
+    each cold: memtoc's kept prefill chunks and the peer's prefix cache dropped before every run), medians
+    reported. Both engines render the prompts with the model's own chat template into the same token ids
+    and decode greedily with the same budget and stop rule, so the replies are compared one by one. The
+    vLLM backend applies the FINAL-line rule as line-end stops (a reply that has not met it continues in
+    another ``llm.generate`` round, from its own tokens, with the prompt in the prefix cache), so the
+    peer's time includes those rounds, as a vLLM run of 02/03 does. On a GPU both engines share the
+    device: give the peer ``--peer-option gpu_memory_utilization=...`` below what memtoc's engine leaves."""
     n = len(prompts)
     t0 = time.perf_counter()
     peer = load_peer()

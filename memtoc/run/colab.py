@@ -178,8 +178,8 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
     log(f"{lock_name}: {why}")
     lock = (bundled_resources() / lock_name).read_text().splitlines()
     installed = installed_versions()
-    for name, have, why in incompatible(installed):
-        log(f"removing {name} {have}: {why}")
+    for name, have, breaks in incompatible(installed):
+        log(f"removing {name} {have}: {breaks}")
         run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", name])
     pins = install_plan(lock, installed, keep_gpu_stack=keep_torch)
     replaced = replacements(pins, installed)
@@ -203,9 +203,15 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
     run([sys.executable, "-m", "memtoc", "init", str(where.project), "--data-dir", "release",
          "--model-cache", "models", *hub])
     broken = check() if pins else []
-    if broken:
-        log(f"after the install, pip check reports {len(broken)} broken requirement(s) of the image's own packages "
-            "(memtoc does not use them; a notebook that does may fail): " + "; ".join(broken))
+    ours = {_name(p) for p in pins}
+    mine = [line for line in broken if _name(line) in ours]       # a package the lock just installed
+    image = [line for line in broken if _name(line) not in ours]
+    if image:
+        log(f"after the install, pip check reports {len(image)} broken requirement(s) of the image's own packages "
+            "(memtoc does not use them; a notebook that does may fail): " + "; ".join(image))
+    if mine:
+        log(f"after the install, pip check reports {len(mine)} broken requirement(s) of packages the lock installed "
+            "(next to a package the set-up keeps, such as the kernel's): " + "; ".join(mine))
     if where.project.is_dir():
         (where.project / INSTALL_RECORD).write_text(json.dumps({
             "lock": lock_name, "reason": why, "installed": pins, "replaced": [list(r) for r in replaced],

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -65,11 +66,13 @@ class Imported:
 
 
 def model_label(inspect_model: str) -> str:
-    """A folder-safe model label from Inspect's ``provider/model`` name (the part after the last ``/``)."""
+    """A folder-safe model label from Inspect's ``provider/model`` name: ``inspect-`` and the part after the
+    last ``/`` (the prefix keeps a paper model run through Inspect's tool-message frame apart from the
+    registry's name, so 08 does not set it beside the paper's numbers as if it were the paper's frame)."""
     label = re.sub(r"[^A-Za-z0-9._-]+", "-", inspect_model.rsplit("/", 1)[-1]).strip("-.")
     if not label:
         raise ConfigError(f"cannot make a model label from {inspect_model!r}; give one with --label")
-    return label
+    return f"inspect-{label}"
 
 
 def _read(log_path: Path):
@@ -83,12 +86,12 @@ def _read(log_path: Path):
         raise DataError(f"{log_path}: field eval.task is {task!r}, not memtoc's task; import a log of "
                         "`inspect eval memtoc/memtoc`")
     if log.status != "success":
-        raise DataError(f"{log_path}: field status is {log.status!r}; finish the run first (`inspect eval-retry "
-                        f"{log_path}` reruns only the unfinished samples)")
+        raise DataError(f"{log_path}: field status is {log.status!r}; run the task to the end in one `inspect eval` "
+                        "(a retry generates the closed-book answers of the unfinished questions again)")
     bad = [s.id for s in (log.samples or []) if s.error is not None]
     if bad or not log.samples:
         raise DataError(f"{log_path}: {len(bad)} sample(s) ended in an error (e.g. {bad[:3]}) or the log has no "
-                        "samples; `inspect eval-retry` the log, then import it")
+                        "samples; run the task again in one `inspect eval`")
     return log
 
 
@@ -101,7 +104,7 @@ def _memory_rows(samples, label: str) -> list[dict[str, Any]]:
         if key in seen:
             if seen[key]["response"] != closed:
                 raise DataError(f"episodes of question {ep.qkey!r} ({ep.formulation}) carry different closed-book "
-                                "replies; the log was not written by memtoc's task")
+                                "replies (a retry generates them again); rerun the task in one `inspect eval`")
             continue
         seen[key] = {"model": label, "formulation": ep.formulation, "variant": "forced", "question_id": ep.question_id,
                      "qkey": ep.qkey, "instance_id": ep.instance_id, "response": closed, "gold": ep.gold,
@@ -125,7 +128,8 @@ def _extra_arms(episodes: list[Episode]) -> list[str]:
 
 
 def _compare_headline(log, df: pd.DataFrame, n_boot: int, where: Path) -> None:
-    """Stop when the log's pooled headline values differ from memtoc's re-scoring of its replies."""
+    """Stop when the log's pooled headline values differ from memtoc's re-scoring of its replies (a value
+    undefined on one side only is a difference too)."""
     recorded = {}
     for s in (log.results.scores if log.results else []):
         for name, m in s.metrics.items():
@@ -135,22 +139,47 @@ def _compare_headline(log, df: pd.DataFrame, n_boot: int, where: Path) -> None:
         if name not in recorded:
             continue
         mine = (pooled.get(name) or {}).get("value")
-        theirs = recorded[name]
-        both_nan = (mine is None or (isinstance(mine, float) and math.isnan(mine))) and math.isnan(float(theirs))
-        if not both_nan and (mine is None or abs(float(mine) - float(theirs)) > 1e-9):
+        mine = float("nan") if mine is None else float(mine)
+        theirs = float(recorded[name])
+        if math.isnan(mine) != math.isnan(theirs) or (not math.isnan(mine) and not math.isclose(mine, theirs,
+                                                                                                 abs_tol=1e-9)):
             raise DataError(f"{where}: metric {name} is {theirs} in the log but {mine} when memtoc scores the "
                             "log's replies; the log was scored by another memtoc version: rerun the task")
+
+
+def _check_complete(log, episodes: list[Episode], args: dict[str, Any], where: Path) -> None:
+    """One epoch, and every episode of the task's options once: a log of ``--epochs``, ``--limit`` or
+    ``--sample-id`` is refused (its metrics and its cells would not be the task's)."""
+    from memtoc.run.inspect_task import task_episodes
+
+    epochs = getattr(log.eval.config, "epochs", None) or 1
+    if epochs != 1 or any(getattr(s, "epoch", 1) != 1 for s in log.samples):
+        raise DataError(f"{where}: field eval.config.epochs is {epochs}; memtoc's task decodes at temperature 0 and "
+                        "is imported with one epoch: rerun it without --epochs")
+    ids = [e.episode_id for e in episodes]
+    want = {e.episode_id for e in task_episodes(**{k: args[k] for k in ("release", "n_questions", "seed",
+                                                                        "formulations", "conditions", "arms")
+                                                   if k in args})}
+    if len(set(ids)) != len(ids) or set(ids) != want:
+        raise DataError(f"{where}: the log holds {len(set(ids))} of the {len(want)} episodes of its task options "
+                        f"(eval.task_args); a run with --limit or --sample-id is a part of the task: rerun it without "
+                        "them (a smaller n_questions gives a smaller complete task)")
 
 
 def import_log(log_path: str | Path, run_dir: str | Path, label: Optional[str] = None, force: bool = False,
                release: Optional[str] = None) -> Imported:
     """Write ``run_dir`` from the Inspect log ``log_path`` (module docstring); ``label`` names the model's
-    folders (default from the log's model). An existing non-empty ``run_dir`` is refused unless ``force``."""
+    folders (default ``inspect-`` and the log's model, so that no run of the paper's frame is taken for it).
+    Everything is checked and scored first, then written into a staging folder that replaces ``run_dir``
+    whole: a refused log writes nothing, and ``force`` replaces a non-empty ``run_dir`` instead of mixing
+    old files into the new run."""
     log_path, run_dir = Path(log_path), Path(run_dir).resolve()
     if run_dir.exists() and any(run_dir.iterdir()) and not force:
-        raise ConfigError(f"{run_dir} exists and is not empty; give another RUN_DIR or --force to write over it")
+        raise ConfigError(f"{run_dir} exists and is not empty; give another RUN_DIR or --force to replace it")
     log = _read(log_path)
     args = dict(log.eval.task_args or {})
+    if release:
+        args["release"] = release
     label = label or model_label(str(log.eval.model))
     samples = []
     for s in log.samples:
@@ -163,46 +192,63 @@ def import_log(log_path: str | Path, run_dir: str | Path, label: Optional[str] =
         samples.append((Episode.from_dict(meta), s.output.completion if s.output else "", closed,
                         usage.output_tokens if usage is not None else None))
     episodes = [ep for ep, *_ in samples]
+    _check_complete(log, episodes, args, log_path)
     forms = [f for f in FORMULATIONS if any(e.formulation == f for e in episodes)]
     matcher = str(args.get("matcher") or "paper")
     n_q = len({e.qkey for e in episodes})
-    cfg = RunConfig.of({"run_name": run_dir.name, "output_root": str(run_dir.parent), "run_dir": run_dir,
-                        "release_dir": release or args.get("release"), "models": [label], "backend": "openai",
+    staging = run_dir.parent / f".{run_dir.name}.importing-{os.getpid()}" / run_dir.name
+    cfg = RunConfig.of({"run_name": run_dir.name, "output_root": str(run_dir.parent), "run_dir": staging,
+                        "release_dir": args.get("release"), "models": [label], "backend": "openai",
                         "formulations": forms, "n_questions": n_q, "n_questions_extra": n_q,
                         "seed": int(args.get("seed", PAPER_SEED)),
-                        "matcher": matcher, "max_new_tokens": int(args.get("max_tokens") or 128),
+                        "matcher": matcher, "max_new_tokens": int(getattr(log.eval.model_generate_config,
+                                                                          "max_tokens", None)
+                                                                  or args.get("max_tokens") or 128),
                         "extra_arms": _extra_arms(episodes), "elicit_permissive": False,
                         "closed_book_variant": "forced"}, source=str(log_path))
     cfg = cfg.with_release_resolved()
-    paths = RunPaths(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
 
-    # 01: the episodes and the construction summary
-    for form in forms:
-        write_episodes([e for e in episodes if e.formulation == form], paths.episodes(form))
-    bench = load_benchmark(cfg.release_dir)
-    paths.write_summary("construction", construction.construction_summary(bench, episodes))
-
-    # 02: the closed-book replies, scored with the task's matcher
+    # score everything before writing anything: 02's memory (the task's matcher), 03's rows, the log's metrics
     mem_rows = _memory_rows(samples, label)
     for r in mem_rows:
         span, absent, correct = memory_status(r["response"], r["gold"], matcher=matcher, gold_kind=r["gold_kind"])
         r.update(span=span, mem_absent=bool(absent), memory_correct=correct)
     memory = pd.DataFrame(mem_rows, columns=elicitation.COLUMNS + elicitation.EXTRA_COLUMNS)
-    write_jsonl(elicitation.scored_path(run_dir, label, "forced"), mem_rows, convert=False)
-    paths.write_summary("elicitation", elicitation.summary(memory, alpha=cfg.alpha, extra={
-        "run_name": cfg.run_name, "matcher": matcher, "n_questions": n_q, "formulations": forms,
-        "primary_variant": "forced", "variants": ["forced"], "backend": f"inspect:{log.eval.model}"}))
-
-    # 03: every reply scored, the evaluation summary
     df = score_episodes(episodes, [reply for _, reply, _, _ in samples], memory, matcher=matcher, model_label=label)
     df["n_new_tokens"] = [tokens for *_, tokens in samples]
     df["cached"] = False
-    write_scored(df, run_dir, label)
     _compare_headline(log, df, int(cfg.n_boot), log_path)
-    write_evaluation_summary(evaluation_summary({label: df}, {label: memory}, cfg), run_dir)
+    bench = load_benchmark(cfg.release_dir)
 
-    # config.json: what `memtoc run` records, plus the log the replies came from
+    shutil.rmtree(staging.parent, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        _write(staging, cfg, log, log_path, args, episodes, forms, bench, mem_rows, memory, df, label, matcher, n_q)
+        from memtoc.stages.report import build_report       # 08: the report, so that `memtoc verify` runs
+        build_report(staging)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        staging.rename(run_dir)
+    finally:
+        shutil.rmtree(staging.parent, ignore_errors=True)
+    return Imported(run_dir=run_dir, model=label, episodes=len(episodes), questions=n_q,
+                    report=RunPaths(run_dir).paper / "report.md")
+
+
+def _write(root: Path, cfg: RunConfig, log, log_path: Path, args: dict[str, Any], episodes: list[Episode],
+           forms: list[str], bench, mem_rows: list[dict[str, Any]], memory: pd.DataFrame, df: pd.DataFrame,
+           label: str, matcher: str, n_q: int) -> None:
+    """The files of notebooks 01-03 and config.json under ``root``."""
+    paths = RunPaths(root)
+    for form in forms:
+        write_episodes([e for e in episodes if e.formulation == form], paths.episodes(form))
+    paths.write_summary("construction", construction.construction_summary(bench, episodes))
+    write_jsonl(elicitation.scored_path(root, label, "forced"), mem_rows, convert=False)
+    paths.write_summary("elicitation", elicitation.summary(memory, alpha=cfg.alpha, extra={
+        "run_name": cfg.run_name, "matcher": matcher, "n_questions": n_q, "formulations": forms,
+        "primary_variant": "forced", "variants": ["forced"], "backend": f"inspect:{log.eval.model}"}))
+    write_scored(df, root, label)
+    write_evaluation_summary(evaluation_summary({label: df}, {label: memory}, cfg), root)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     write_json(paths.config_json, plain({
         "params": cfg.as_params(with_run_dir=False), "provenance": provenance(cfg), "status": "ok",
@@ -211,11 +257,6 @@ def import_log(log_path: str | Path, run_dir: str | Path, label: Optional[str] =
                    "task_args": args, "model": str(log.eval.model), "inspect_ai": log.eval.packages.get("inspect_ai")
                    if log.eval.packages else None,
                    "delivery": "the tool return as a tool call and tool message (memtoc.run.inspect_task)"}}))
-
-    # 08: the report, so that `memtoc verify RUN_DIR` runs
-    from memtoc.stages.report import build_report
-    report, _claims, _ = build_report(run_dir)
-    return Imported(run_dir=run_dir, model=label, episodes=len(episodes), questions=n_q, report=report)
 
 
 def cli(argv: list[str]) -> int:

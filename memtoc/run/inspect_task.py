@@ -146,8 +146,9 @@ def tool_messages(ep: Episode) -> list[ChatMessage]:
     if ep.arm in prompts.MITIGATION:
         instruction.append(prompts.MITIGATION[ep.arm])
     instruction.append(prompts.FINAL_LINE[form])
-    arg = (ep.schema.get("parameters") or {}).get("required") or ["query"]
-    call = ToolCall(id=CALL_ID, function=ep.schema["name"], arguments={arg[0]: ep.question})
+    params = ep.schema.get("parameters") or {}
+    arg = (params.get("required") or list(params.get("properties") or {}) or ["query"])[0]
+    call = ToolCall(id=CALL_ID, function=ep.schema["name"], arguments={arg: ep.question})
     return [ChatMessageUser(content=prompts.QUESTION_LABEL[form] + ep.question),
             ChatMessageAssistant(content="", tool_calls=[call]),
             ChatMessageTool(content=prompts.to_json(ep.tool_output), tool_call_id=CALL_ID,
@@ -180,9 +181,11 @@ class _ClosedBook:
 
 
 @solver
-def memtoc_episode(max_tokens: int = MAX_TOKENS):
-    """Answer the closed-book prompt (once per question and formulation), then the episode's chat."""
-    config = GenerateConfig(temperature=0.0, max_tokens=int(max_tokens))
+def memtoc_episode():
+    """Answer the closed-book prompt (once per question and formulation), then the episode's chat, with the
+    eval's generation settings (the task's temperature 0 and ``max_tokens``, under Inspect's own
+    ``--temperature`` / ``--max-tokens`` where given)."""
+    config = GenerateConfig()          # nothing over the active config: the task's, then the command line's
     closed_book = _ClosedBook()
 
     async def solve(state: TaskState, generate: Generate) -> TaskState:
@@ -265,7 +268,7 @@ def memtoc(n_questions: int = 0, formulations: Union[str, Sequence[str]] = FORMU
     """
     episodes = task_episodes(release, n_questions, seed, formulations, conditions, arms)
     return Task(dataset=MemoryDataset([sample_of(e) for e in episodes], name=TASK_NAME),
-                solver=memtoc_episode(max_tokens), scorer=memtoc_scorer(matcher),
+                solver=memtoc_episode(), scorer=memtoc_scorer(matcher), epochs=1,
                 config=GenerateConfig(temperature=0.0, max_tokens=int(max_tokens)),
                 metadata={"memtoc_task": {"n_questions": int(n_questions), "seed": int(seed), "matcher": matcher,
                                           "max_tokens": int(max_tokens)}})

@@ -126,9 +126,9 @@ def test_an_imported_log_is_a_run_that_verifies(keeper, tmp_path):
     _, log, tmp = keeper
     run = tmp_path / "run"
     out = inspect_import.import_log(log.location, run)
-    assert out.model == "model" and out.episodes == len(log.samples) and out.questions == N_Q
+    assert out.model == "inspect-model" and out.episodes == len(log.samples) and out.questions == N_Q
     ev = json.loads((run / "summaries" / "evaluation.json").read_text())
-    pooled = ev["models"]["model"]["headline"]["pooled"]
+    pooled = ev["models"]["inspect-model"]["headline"]["pooled"]
     for name in ("retention", "tool_follow", "wrong_follow", "err_abstain"):
         assert pooled[name]["value"] == pytest.approx(_metrics(log)[name], nan_ok=True)
     cfg = json.loads((run / "config.json").read_text())
@@ -139,8 +139,40 @@ def test_an_imported_log_is_a_run_that_verifies(keeper, tmp_path):
     assert len(pd.read_parquet(tmp_path / "dataset" / "episodes.parquet")) == len(log.samples)
     with pytest.raises(ConfigError, match="not empty"):
         inspect_import.import_log(log.location, run)
+    (run / "left-over.txt").write_text("from an earlier import")
+    inspect_import.import_log(log.location, run, force=True)              # --force replaces, never mixes
+    assert not (run / "left-over.txt").exists() and claims.verify(run).ok
+    assert not list(tmp_path.glob(".run.importing-*"))                   # the staging folder is gone
     with pytest.raises(DataError, match="no such Inspect log"):
         inspect_import.import_log(tmp_path / "missing.eval", tmp_path / "x")
+
+
+def test_a_partial_or_repeated_log_is_refused_and_nothing_is_written(episodes, tmp_path):
+    gold = {e.question: e.gold for e in episodes}
+    rule = Rule(gold, set())
+    part = inspect_eval(inspect_task.memtoc(n_questions=N_Q), model=get_model("mockllm/model", custom_outputs=rule),
+                        log_dir=str(tmp_path / "logs"), display="none", limit=5)[0]
+    with pytest.raises(DataError, match="5 of the 72 episodes"):
+        inspect_import.import_log(part.location, tmp_path / "part")
+    twice = inspect_eval(inspect_task.memtoc(n_questions=1, formulations="reference"), epochs=2,
+                         model=get_model("mockllm/model", custom_outputs=rule), log_dir=str(tmp_path / "logs"),
+                         display="none")[0]
+    with pytest.raises(DataError, match="epochs is 2"):
+        inspect_import.import_log(twice.location, tmp_path / "twice")
+    assert not (tmp_path / "part").exists() and not (tmp_path / "twice").exists()
+
+
+def test_a_metric_defined_on_one_side_only_is_a_difference():
+    import pandas as pd
+    from types import SimpleNamespace as NS
+    rows = pd.DataFrame([{"qkey": "q", "condition": "tool_error", "cell": None, "followed_tool": False,
+                          "kept_memory": False, "outcome": "neither", "abstain": True, "final_correct": False,
+                          "formulation": "reference", "arm": "untreated", "frame": "schema",
+                          "payload_kind": "service_unavailable", "tool_correct": False, "mem_absent": False,
+                          "memory_correct": False}])
+    log = NS(results=NS(scores=[NS(metrics={"retention": NS(value=0.5)})]))
+    with pytest.raises(DataError, match="retention is 0.5 in the log but nan"):
+        inspect_import._compare_headline(log, rows, 10, "x.eval")
 
 
 def test_bad_task_options_name_the_option():

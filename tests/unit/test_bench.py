@@ -109,4 +109,10 @@ def test_an_unknown_peer_and_a_bad_peer_option_are_refused():
         bench.bench_generation(n=2, peer="llamacpp")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         bench._options(["enforce_eager"])
+    with pytest.raises(ConfigError, match="dtype: set by memtoc for both engines"):
+        bench.check_peer("vllm", {"dtype": "bfloat16"})
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:                      # the main environment: no vLLM there
+        with pytest.raises(ConfigError, match="make vllm-env"):
+            bench.bench_generation(n=2, peer="vllm")
     assert bench._options(["enforce_eager=true", "max_num_seqs=8"]) == {"enforce_eager": True, "max_num_seqs": 8}

@@ -124,16 +124,21 @@ def test_the_setup_says_what_it_replaced_and_what_pip_check_then_reports(monkeyp
         monkeypatch.setenv(k, "unset")
     (tmp_path / "memtoc").mkdir()                                   # the folder memtoc init makes
     said = []
+    monkeypatch.setattr(colab, "installed_versions", lambda: {"numpy": "2.0.2", "pandas": "2.2.2", "trl": "1.16.0",
+                                                              "torchao": "0.10.0"})
     colab.setup(run=lambda cmd: None, drive_mounted=True, log=said.append, driver=None,
-                check=lambda: ["cudf 24.4.1 has requirement pandas<2.2.3, but you have pandas 3.1.1."])
+                check=lambda: ["cudf 24.4.1 has requirement pandas<2.2.3, but you have pandas 3.1.1.",
+                               "papermill 2.7.0 has requirement tornado>=6.5, but you have tornado 6.4.2."])
     lock = (REPO_ROOT / "requirements" / "cpu.lock").read_text()
     want = dict(line.split("==") for line in lock.splitlines() if line and not line.startswith("#") and "==" in line)
     line = next(s for s in said if s.startswith("replacing"))
     assert f"numpy 2.0.2 -> {want['numpy']}" in line and f"pandas 2.2.2 -> {want['pandas']}" in line
     assert "trl" not in line                                        # already at the lock's version
-    assert any("pip check reports 1 broken" in s and "cudf" in s for s in said)
+    assert any("pip check reports 1 broken requirement(s) of the image's own" in s and "cudf" in s for s in said)
+    assert any("of packages the lock installed" in s and "papermill" in s for s in said)
     record = json.loads((tmp_path / "memtoc" / colab.INSTALL_RECORD).read_text())
-    assert ["numpy", "2.0.2", want["numpy"]] in record["replaced"] and len(record["pip_check"]) == 1
+    assert record["reason"] == colab.colab_lock(None)[2]                    # not torchao's (removed above)
+    assert ["numpy", "2.0.2", want["numpy"]] in record["replaced"] and len(record["pip_check"]) == 2
 
 
 def test_the_cuda12_lock_is_a_cuda12_build():
