@@ -271,9 +271,9 @@ def peer_comparison(gen, prompts: list[str], batched: list, load_peer, repeats: 
     n = len(prompts)
     t0 = time.perf_counter()
     peer = load_peer()
-    t_start = time.perf_counter() - t0
     try:
-        peer.generate(prompts[:2])                # warm-up, as for memtoc's engine
+        peer.generate(prompts[:2])                # warm-up, as for memtoc's engine; a lazy generator starts here
+        t_start = time.perf_counter() - t0
         mine, theirs, first, differing_repeats = [], [], None, 0
         for _ in range(max(1, repeats)):
             _, t = _timed(gen, prompts)
@@ -425,7 +425,7 @@ def _print_generation(r: dict[str, Any]) -> None:
     if "peer" in r:
         print(f"  peer {r['peer']} {r['peer_version']}: {r['s_per_episode_peer']:.3f} s/episode against memtoc's "
               f"{r['s_per_episode_batched_interleaved']:.3f} in the same turns (peer / memtoc = "
-              f"{r['peer_over_memtoc']:.2f}); engine start {r['peer_engine_start_s']:.1f} s; replies differing from "
+              f"{r['peer_over_memtoc']:.2f}); engine start and 2-prompt warm-up {r['peer_engine_start_s']:.1f} s; replies differing from "
               f"memtoc's: {r['replies_differing_memtoc_vs_peer']} of {r['n_episodes']}, between its repeats: "
               f"{r['replies_differing_between_peer_repeats']}; options {r.get('peer_options') or {}}")
     if "final_stop_speedup" in r:
