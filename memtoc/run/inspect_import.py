@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pandas as pd
+from inspect_ai.log import read_eval_log
 
 from memtoc.config.runconfig import RunConfig, RunPaths
 from memtoc.core.errors import ConfigError, DataError
@@ -44,6 +45,7 @@ from memtoc.core.vocab import (
 )
 from memtoc.data.benchmark import load_benchmark
 from memtoc.data.episodes import write_episodes
+from memtoc.run.inspect_task import CLOSED_BOOK_KEY, TASK_NAME, task_episodes
 from memtoc.run.pipeline import provenance
 from memtoc.stages import construction, elicitation
 from memtoc.stages.evaluation import score_episodes, write_scored
@@ -51,8 +53,6 @@ from memtoc.stages.evaluation.analyses.headline import headline_metrics
 from memtoc.stages.evaluation.analyses.summary import evaluation_summary
 from memtoc.stages.evaluation.analyses.summary import write_summary as write_evaluation_summary
 
-TASK_SUFFIX = "memtoc"          # the task's registered name ends with it (memtoc/memtoc, inspect_task.py@memtoc)
-CLOSED_BOOK_KEY = "memtoc_closed_book"
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,12 @@ def model_label(inspect_model: str) -> str:
 
 
 def _read(log_path: Path):
-    from inspect_ai.log import read_eval_log       # the optional extra: imported when used
     if not log_path.is_file():
         raise DataError(f"{log_path}: no such Inspect log; give the .eval (or .json) file that `inspect eval "
                         "memtoc/memtoc` wrote under ./logs")
     log = read_eval_log(str(log_path))
     task = str(log.eval.task)
-    if not task.split("/")[-1].split("@")[-1].endswith(TASK_SUFFIX):
+    if not task.split("/")[-1].split("@")[-1].endswith(TASK_NAME):
         raise DataError(f"{log_path}: field eval.task is {task!r}, not memtoc's task; import a log of "
                         "`inspect eval memtoc/memtoc`")
     if log.status != "success":
@@ -150,8 +149,6 @@ def _compare_headline(log, df: pd.DataFrame, n_boot: int, where: Path) -> None:
 def _check_complete(log, episodes: list[Episode], args: dict[str, Any], where: Path) -> None:
     """One epoch, and every episode of the task's options once: a log of ``--epochs``, ``--limit`` or
     ``--sample-id`` is refused (its metrics and its cells would not be the task's)."""
-    from memtoc.run.inspect_task import task_episodes
-
     epochs = getattr(log.eval.config, "epochs", None) or 1
     if epochs != 1 or any(getattr(s, "epoch", 1) != 1 for s in log.samples):
         raise DataError(f"{where}: field eval.config.epochs is {epochs}; memtoc's task decodes at temperature 0 and "
