@@ -24,7 +24,6 @@ torch in this notebook. Neither lock has been run on Colab by this repository ye
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from packaging.version import Version
 
+from memtoc.core.io import write_json
 from memtoc.core.project import bundled_resources
 from memtoc.generation.hardware import choose_lock, driver_version
 
@@ -213,9 +213,9 @@ def setup(run: Callable[[list[str]], Any] = None, get_secret: Optional[Callable[
         log(f"after the install, pip check reports {len(mine)} broken requirement(s) of packages the lock installed "
             "(next to a package the set-up keeps, such as the kernel's): " + "; ".join(mine))
     if where.project.is_dir():
-        (where.project / INSTALL_RECORD).write_text(json.dumps({
+        write_json(where.project / INSTALL_RECORD, {
             "lock": lock_name, "reason": why, "installed": pins, "replaced": [list(r) for r in replaced],
-            "pip_check": broken}, indent=1) + "\n", encoding="utf-8")
+            "pip_check": broken})
     run([sys.executable, "-m", "memtoc", "data", "fetch"])
     token = hub_token(get_secret) if get_secret else None
     if token and login:
