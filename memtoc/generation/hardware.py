@@ -147,6 +147,42 @@ def driver_version(run: Callable[..., Any] = subprocess.run) -> Optional[str]:
     return lines[0] if lines else None
 
 
+def gpu_capability(run: Callable[..., Any] = subprocess.run) -> Optional[tuple[int, int]]:
+    """Compute capability of the first visible NVIDIA GPU, e.g. ``(9, 0)`` on an H100, or None without one.
+
+    Read from the driver (``nvidia-smi --query-gpu=compute_cap``), not through ``torch.cuda``: asking torch
+    opens a CUDA context in the calling process (a notebook kernel), which then holds GPU memory beside
+    vLLM's engine and forces vLLM to spawn its workers. ``CUDA_VISIBLE_DEVICES`` names the first visible
+    GPU (an index or a UUID; empty or -1: none). Where ``nvidia-smi`` is missing or too old to report the
+    capability (drivers before 510), torch answers instead."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return None
+    cmd = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    if visible:
+        cmd.insert(1, "--id=" + visible.split(",")[0].strip())
+    try:
+        r = run(cmd, capture_output=True, text=True, timeout=30)
+        out = (r.stdout or "").split() if r.returncode == 0 else []
+    except (OSError, subprocess.SubprocessError):
+        out = []
+    if out:
+        try:
+            major, minor = out[0].split(".")
+            return int(major), int(minor)
+        except ValueError:
+            pass
+    return _torch_capability()
+
+
+def _torch_capability() -> Optional[tuple[int, int]]:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
 def _major(version: Optional[str]) -> Optional[int]:
     try:
         return int(str(version).split(".")[0])
@@ -194,6 +230,13 @@ def _lock_for_driver(driver: Optional[str], torch_cuda: Optional[str]) -> LockCh
         choice = LockChoice(choice.lock, choice.reason + f"; the installed torch is built for CUDA {torch_cuda}, "
                             f"which this driver cannot run: reinstall from {choice.lock}")
     return choice
+
+
+def placement(device: Optional[str]) -> dict[str, Any]:
+    """``from_pretrained``'s keyword that loads the weights straight onto ``device`` when it is a GPU
+    (``device_map``), shard by shard, instead of into host RAM first and then across (an 8-9B model in
+    float32 is ~37 GB of host RAM that way); nothing on a CPU."""
+    return {"device_map": device} if device and str(device).startswith("cuda") else {}
 
 
 def release_memory(device: Optional[str]) -> None:

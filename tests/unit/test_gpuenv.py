@@ -204,6 +204,49 @@ def test_driver_version_reads_nvidia_smi_and_tolerates_its_absence():
     assert gpuenv.driver_version(lambda cmd, **kw: _Done(9, "NVIDIA-SMI has failed")) is None
 
 
+def test_gpu_capability_comes_from_the_driver_without_a_cuda_context(monkeypatch):
+    """The capability that decides vLLM's batch invariance is read from nvidia-smi (the first visible GPU),
+    so the notebook process opens no CUDA context before vLLM starts; torch answers only without nvidia-smi."""
+    import torch
+
+    def no_context(*a, **k):
+        raise AssertionError("torch.cuda was asked: that opens a CUDA context in the calling process")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_context)
+    monkeypatch.setattr(torch.cuda, "is_available", no_context)
+    seen = []
+
+    def smi(cmd, **kw):
+        seen.append(cmd)
+        return _Done(0, "9.0\n8.0\n")
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpuenv.gpu_capability(smi) == (9, 0)
+    assert seen[-1] == ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert gpuenv.gpu_capability(lambda cmd, **kw: seen.append(cmd) or _Done(0, "8.0\n")) == (8, 0)
+    assert seen[-1][1] == "--id=1"
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert gpuenv.gpu_capability(smi) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpuenv.gpu_capability(missing) is None
+
+
+def test_the_vllm_backend_and_the_agent_server_read_the_capability_from_the_driver():
+    import inspect
+
+    from memtoc.generation.backends import vllm as vb
+    from memtoc.stages.agent import serving
+    assert vb.gpu_capability is gpuenv.gpu_capability
+    assert "torch.cuda" not in inspect.getsource(serving)
+
+
 def test_gpucheck_env_names_the_lock_and_needs_no_gpu(monkeypatch, capsys):
     monkeypatch.setattr(gpucheck, "driver_version", lambda: "535.104.05")
     assert cli.main(["gpucheck", "--env"]) == 0
@@ -217,3 +260,37 @@ def test_gpucheck_env_names_the_lock_and_needs_no_gpu(monkeypatch, capsys):
     monkeypatch.setattr(gpucheck, "driver_version", lambda: None)
     assert cli.main(["gpucheck", "--env"]) == 0
     assert "lock: no GPU lock" in capsys.readouterr().out
+
+
+class _Loaded(Exception):
+    pass
+
+
+def test_models_load_straight_onto_the_gpu(tiny_model_dir, monkeypatch):  # noqa: F811
+    """On a GPU the generator, the trainer's base model and the probes' model load with device_map (straight
+    onto the device, not into host RAM first: ~37 GB for an 8-9B model in float32); on a CPU without it."""
+    import torch
+    import transformers
+
+    from memtoc.stages.finetune import training
+    from memtoc.stages.probes import hfmodel
+
+    seen = []
+
+    def record(path, **kw):
+        seen.append(kw)
+        raise _Loaded
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record)
+    spec = models.ModelSpec(str(tiny_model_dir), "tiny", "local", path=str(tiny_model_dir), chat=False)
+    for device, want in (("cuda", {"device_map": "cuda"}), ("cpu", {})):
+        seen.clear()
+        with pytest.raises(_Loaded):
+            hf.TransformersGenerator(spec, tiny_model_dir, dtype="float32", device=device)
+        with pytest.raises(_Loaded):
+            hfmodel.load_model(str(tiny_model_dir), device=device)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+        with pytest.raises(_Loaded):
+            training.load_train_model(tiny_model_dir, RunConfig.of({"finetune": {"train_dtype": "float32"}}).finetune)
+        got = [{k: kw[k] for k in ("device_map",) if k in kw} for kw in seen]
+        assert got == [want] * 3, (device, got)

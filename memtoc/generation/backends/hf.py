@@ -125,7 +125,7 @@ from memtoc.generation.backends.engine.compact import CompactDecoder, Generation
 from memtoc.generation.backends.engine.rowprefill import PREFILL_TAILS
 from memtoc.generation.backends.engine.stopping import FLOAT32_TIE_MARGIN, StopCriteria, TieGuard
 from memtoc.generation.decoding import policy_from_config
-from memtoc.generation.hardware import cpu_has_native_bf16, release_memory, warn_emulated_bf16
+from memtoc.generation.hardware import cpu_has_native_bf16, placement, release_memory, warn_emulated_bf16
 from memtoc.generation.templates import render_prompt
 from memtoc.generation.weights import adapter_hash, weights_hash
 
@@ -307,7 +307,7 @@ class TransformersGenerator(CompactDecoder, Generator):
             register_cpu_attention()
         self.attention = attention
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=self.torch_dtype,
-                                                     attn_implementation=attention)
+                                                     attn_implementation=attention, **placement(self.device))
         a_hash = None
         if adapter is not None:
             from peft import PeftModel

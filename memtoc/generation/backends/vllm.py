@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from memtoc.generation.backends.base import Generator, Reply, line_stop, truncate_reply
 from memtoc.generation.backends.openai import BackendError
 from memtoc.generation.decoding import DecodingPolicy, batch_invariant_on, read_policy, set_batch_invariant_env
-from memtoc.generation.hardware import auto_dtype_name
+from memtoc.generation.hardware import auto_dtype_name, gpu_capability
 from memtoc.generation.templates import render_prompt
 from memtoc.generation.weights import adapter_hash, weights_hash
 
@@ -116,11 +116,6 @@ def sampling_kwargs(max_new_tokens: int, seed: Optional[int] = None,
                     policy: Optional[DecodingPolicy] = None) -> dict[str, Any]:
     """Greedy decoding settings for ``vllm.SamplingParams``, with the model's penalties (``policy``)."""
     return (policy or DecodingPolicy()).vllm_sampling(max_new_tokens, seed)
-
-
-def gpu_capability() -> Optional[tuple[int, int]]:
-    import torch
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 #: the attention backend named to vLLM when batch invariance is on and the options name none: vLLM 0.19.x

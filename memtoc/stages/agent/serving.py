@@ -18,6 +18,7 @@ from typing import Iterator
 from memtoc.config.runconfig import RunConfig
 from memtoc.generation import models
 from memtoc.generation.backends.vllmserver import NATIVE_PARSERS, VLLMServer, free_port, server_command
+from memtoc.generation.hardware import gpu_capability
 from memtoc.generation.weights import weights_hash
 from memtoc.stages.agent.parsers import format_for, get_format
 
@@ -33,8 +34,6 @@ def served(cfg: RunConfig, model: str, log=print) -> Iterator[RunConfig]:
     if opts.get("launch") is None:
         yield cfg
         return
-    import torch
-
     spec = models.get_model(model)
     path = models.prepare_model(model, cache_dir=cfg.model_cache_dir)
     name = opts.get("served_model") or spec.hub_id or spec.name
@@ -42,7 +41,7 @@ def served(cfg: RunConfig, model: str, log=print) -> Iterator[RunConfig]:
         [spec.name, spec.hub_id or "", spec.label, name], spec.chat if opts.get("chat") is None else bool(opts["chat"]))
     parser = fmt.name if fmt.native and fmt.name in NATIVE_PARSERS else None
     port = free_port()
-    cmd = server_command(path, name, port, cfg.dtype, parser, cuda=torch.cuda.is_available(),
+    cmd = server_command(path, name, port, cfg.dtype, parser, cuda=gpu_capability() is not None,
                          options=opts.get("launch_options"))
     log_path = cfg.paths.agent(model) / "server.log"
     log(f"{model}: starting vLLM's server on port {port} (tool parser: {parser or 'none, tools rendered as text'}; "

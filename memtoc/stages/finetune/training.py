@@ -15,7 +15,7 @@ from memtoc.config.blocks import FinetuneConfig
 from memtoc.core.errors import check_choice
 from memtoc.core.io import sha256_json
 from memtoc.generation import models
-from memtoc.generation.hardware import auto_dtype_name, release_memory, warn_emulated_bf16
+from memtoc.generation.hardware import auto_dtype_name, placement, release_memory, warn_emulated_bf16
 from memtoc.generation.models import attention_implementation
 from memtoc.stages.finetune.common import OBJECTIVES, FinetuneError
 from memtoc.stages.finetune.data import TrainExample, dpo_rows, sft_rows
@@ -206,14 +206,16 @@ def training_eos(tokenizer, spec) -> str:
 
 
 def load_train_model(base_path, ft: FinetuneConfig):
-    """The base model for training (``train_dtype``; eager attention for soft-capping models)."""
+    """The base model for training (``train_dtype``; eager attention for soft-capping models), loaded
+    straight onto the GPU when there is one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     cuda = torch.cuda.is_available()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[train_dtype(ft, cuda)]
     attn = attention_implementation(AutoConfig.from_pretrained(base_path), "auto",
                                     "cuda" if cuda else "cpu", training=True)
-    return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation=attn)
+    return AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation=attn,
+                                                **placement("cuda" if cuda else None))
 
 
 def make_trainer(model, tokenizer, rows: Sequence[dict], objective: str, ft: FinetuneConfig, out_dir,

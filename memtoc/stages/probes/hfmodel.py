@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from memtoc.generation import models
+from memtoc.generation.hardware import placement
 
 
 @dataclass
@@ -70,7 +71,8 @@ def load_model(name: str, cache_dir: Optional[str] = None, device: Optional[str]
     spec = models.get_model(name)
     path = models.prepare_model(name, cache_dir=cache_dir)
     attn = models.attention_implementation(_config(path), "eager")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn,
+                                                 **placement(device))
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
