@@ -114,14 +114,36 @@ def read_policy(model_dir: Path) -> DecodingPolicy:
     return policy_from_config(config, str(path))
 
 
-def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]], vllm_version: Any = "installed") -> bool:
+#: weight-quantization methods whose fast kernels vLLM gives up in batch-invariant mode: with
+#: VLLM_BATCH_INVARIANT its AWQ layers skip the Marlin kernels and dequantize the whole weight before a
+#: plain matmul on every forward (vllm/model_executor/layers/quantization/auto_awq.py, 0.32: "Marlin
+#: kernels are not batch invariant"; "Batch invariant mode requires torch.matmul path"), so ``auto``
+#: leaves the mode off for them (the paper's 70B point ran without it); ``true`` still turns it on.
+DEQUANTIZED_WHEN_INVARIANT = frozenset({"awq", "awq_marlin"})
+
+
+def checkpoint_quantization(path: Path) -> Optional[str]:
+    """The quantization method a checkpoint declares (``config.json``'s ``quantization_config.quant_method``,
+    lower case), or None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    method = (config.get("quantization_config") or {}).get("quant_method") if isinstance(config, dict) else None
+    return str(method).lower() if method else None
+
+
+def batch_invariant_on(setting: Any, capability: Optional[tuple[int, int]], vllm_version: Any = "installed",
+                       quantization: Optional[str] = None) -> bool:
     """Whether vLLM's batch-invariant mode is on: ``setting`` ``"auto"`` (on where the installed vLLM's
-    own rule covers the GPU, :func:`batch_invariant_supported`), ``True`` or ``False``; ``capability``
-    the GPU's (major, minor), None without a GPU; ``vllm_version``: default the installed one."""
+    own rule covers the GPU, :func:`batch_invariant_supported`, and the weights are not in a quantization
+    that the mode dequantizes on every forward, :data:`DEQUANTIZED_WHEN_INVARIANT`), ``True`` or
+    ``False``; ``capability`` the GPU's (major, minor), None without a GPU; ``vllm_version``: default
+    the installed one; ``quantization``: vLLM's ``quantization`` option or the checkpoint's method."""
     if setting not in ("auto", True, False):
         raise ConfigError(f"backend option 'batch_invariant' must be auto, true or false, got {setting!r}")
     if setting == "auto":
-        if capability is None:
+        if capability is None or str(quantization or "").lower() in DEQUANTIZED_WHEN_INVARIANT:
             return False
         if vllm_version == "installed":
             vllm_version = package_version("vllm")

@@ -160,6 +160,36 @@ def test_the_batch_invariant_flag_reaches_the_engine(qwen_like_dir, monkeypatch,
     assert fake.sampling[0]["repetition_penalty"] == 1.05 and fake.sampling[0]["temperature"] == 0.0
 
 
+@pytest.mark.parametrize("where", ["option", "checkpoint"])
+def test_auto_leaves_batch_invariance_off_for_awq_weights(qwen_like_dir, monkeypatch, fake_vllm, where):
+    """params/scale70b.yaml on an H100: batch invariance would make vLLM drop its AWQ Marlin kernels and
+    dequantize every weight on every forward (auto_awq.py), so ``auto`` leaves it off for AWQ weights,
+    named by the ``quantization`` option or by the checkpoint's config.json; ``true`` still turns it on."""
+    import json
+    assert decoding.batch_invariant_on("auto", (9, 0), "0.33.0", quantization="awq_marlin") is False
+    assert decoding.batch_invariant_on("auto", (9, 0), "0.33.0", quantization="AWQ") is False
+    assert decoding.batch_invariant_on("auto", (9, 0), "0.33.0", quantization="fp8") is True
+    assert decoding.batch_invariant_on(True, (9, 0), "0.33.0", quantization="awq") is True
+    monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "0")
+    monkeypatch.setattr(vllm_backend, "gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(decoding, "package_version", lambda name: "0.33.0")
+    options = {}
+    if where == "option":
+        options["quantization"] = "awq_marlin"
+    else:
+        cfg = json.loads((qwen_like_dir / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+        (qwen_like_dir / "config.json").write_text(json.dumps(cfg))
+    try:
+        gen = vllm_backend.VLLMGenerator(models.get_model("qwen2.5-7b-instruct"), qwen_like_dir, dtype="float16",
+                                         max_new_tokens=8, show_progress=False, **options)
+    finally:
+        cfg = json.loads((qwen_like_dir / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        (qwen_like_dir / "config.json").write_text(json.dumps(cfg))
+    assert fake_vllm.engines[0]["env"] == "0" and gen.batch_invariant is False
+
+
 def test_a_loaded_vllm_cannot_switch_the_flag(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", _FakeVLLM())
     monkeypatch.setenv(decoding.BATCH_INVARIANT_ENV, "1")

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from memtoc.generation.backends.base import Generator, Reply, line_stop, truncate_reply
 from memtoc.generation.backends.openai import BackendError
-from memtoc.generation.decoding import DecodingPolicy, batch_invariant_on, read_policy, set_batch_invariant_env
+from memtoc.generation.decoding import (DecodingPolicy, batch_invariant_on, checkpoint_quantization, read_policy,
+                                        set_batch_invariant_env)
 from memtoc.generation.hardware import auto_dtype_name, gpu_capability
 from memtoc.generation.templates import render_prompt
 from memtoc.generation.weights import adapter_hash, weights_hash
@@ -157,7 +158,8 @@ class VLLMGenerator(Generator):
                  show_progress: bool = True, batch_size: Any = None, batch_invariant: Any = "auto",
                  **llm_options):
         capability = gpu_capability()
-        self.batch_invariant = batch_invariant_on(batch_invariant, capability)
+        self.batch_invariant = batch_invariant_on(batch_invariant, capability, quantization=(
+            llm_options.get("quantization") or checkpoint_quantization(Path(path))))
         set_batch_invariant_env(self.batch_invariant)   # before vllm is imported: some releases read it then
         try:
             import vllm  # noqa: F401
