@@ -147,32 +147,48 @@ def driver_version(run: Callable[..., Any] = subprocess.run) -> Optional[str]:
     return lines[0] if lines else None
 
 
+def _smi_query(field: str, run: Callable[..., Any]) -> Optional[str]:
+    """One ``nvidia-smi --query-gpu`` field of the first visible GPU (``CUDA_VISIBLE_DEVICES``: an index or a
+    UUID; empty or -1: none visible), or None (no GPU, no nvidia-smi, or a driver without the field)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return None
+    cmd = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
+    if visible:
+        cmd.insert(1, "--id=" + visible.split(",")[0].strip())
+    try:
+        r = run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    out = (r.stdout or "").split() if r.returncode == 0 else []
+    return out[0] if out else None
+
+
 def gpu_capability(run: Callable[..., Any] = subprocess.run) -> Optional[tuple[int, int]]:
     """Compute capability of the first visible NVIDIA GPU, e.g. ``(9, 0)`` on an H100, or None without one.
 
     Read from the driver (``nvidia-smi --query-gpu=compute_cap``), not through ``torch.cuda``: asking torch
     opens a CUDA context in the calling process (a notebook kernel), which then holds GPU memory beside
-    vLLM's engine and forces vLLM to spawn its workers. ``CUDA_VISIBLE_DEVICES`` names the first visible
-    GPU (an index or a UUID; empty or -1: none). Where ``nvidia-smi`` is missing or too old to report the
-    capability (drivers before 510), torch answers instead."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
+    vLLM's engine and forces vLLM to spawn its workers. Where ``nvidia-smi`` is missing or too old to
+    report the capability (drivers before 510), torch answers instead."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
         return None
-    cmd = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
-    if visible:
-        cmd.insert(1, "--id=" + visible.split(",")[0].strip())
+    value = _smi_query("compute_cap", run)
     try:
-        r = run(cmd, capture_output=True, text=True, timeout=30)
-        out = (r.stdout or "").split() if r.returncode == 0 else []
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    if out:
-        try:
-            major, minor = out[0].split(".")
-            return int(major), int(minor)
-        except ValueError:
-            pass
-    return _torch_capability()
+        major, minor = str(value).split(".")
+        return int(major), int(minor)
+    except ValueError:
+        return _torch_capability()
+
+
+def gpu_memory_used_gib(run: Callable[..., Any] = subprocess.run) -> Optional[float]:
+    """Memory in use on the first visible NVIDIA GPU, all processes together (GiB, from ``nvidia-smi``), or
+    None without one: what a stage's notebook kernel and the engines it starts hold, read from outside."""
+    value = _smi_query("memory.used", run)
+    try:
+        return round(float(value) / 1024, 2) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _torch_capability() -> Optional[tuple[int, int]]:

@@ -25,6 +25,9 @@ a tiny Llama config), reporting the peak GPU memory and seconds per step.
     memtoc gpucheck                 # on a GPU: ~8 min on one A100/H100-class GPU (most of it the 8B step)
     memtoc gpucheck --tiny --device cpu   # the test suite's run: tiny sizes, under a minute on a CPU
     memtoc gpucheck --env           # which GPU lock fits this machine's NVIDIA driver (no GPU needed)
+    memtoc gpucheck --plan params/paper.yaml --quick --json gpucheck.json
+                                    # the first command on a new GPU: every stage of the plan at a tiny
+                                    # size, then the plan's 8B DPO step; one table, written as JSON
 
 Exit status 0 when every case passed (skips allowed), 1 otherwise, 2 when there is no CUDA GPU to check
 (without ``--device cpu``: a CPU fallback would pass and prove nothing about the GPU); ``--json FILE``
@@ -48,7 +51,7 @@ from typing import Any, Callable, Optional
 from memtoc.config.runconfig import RunConfig
 from memtoc.generation import models
 from memtoc.generation.hardware import choose_lock, cuda_facts, driver_version
-from memtoc.run.gpuquick import run_quick
+from memtoc.run.gpuquick import StageRow, format_table, run_quick
 from memtoc.stages import finetune
 
 WORDS = ("the tool returned a value for the question about the river city author year population "
@@ -196,7 +199,14 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                                  "original_max_position_embeddings": 8192})
 
 
-def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> CaseResult:
+def _settings(ft) -> dict[str, Any]:
+    """A resolved ``finetune`` block's training settings, without the run's model list."""
+    return {k: v for k, v in ft.to_dict().items() if k != "models"} if ft is not None else {}
+
+
+def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int, ft=None) -> CaseResult:
+    """One trl DPO step through memtoc's trainer; ``ft``: the fine-tuning settings to train with (a plan's
+    ``finetune`` block: batch size, accumulation, checkpointing, dtype), default the block's defaults."""
     name = "dpo-step " + ("tiny llama" if tiny else "llama-3.1-8b (random weights)")
     try:
         import trl  # noqa: F401  (optional here: the GPU machines may not have it)
@@ -215,7 +225,8 @@ def check_dpo(device: str, tiny: bool, tokenizer, workdir: Path, steps: int) -> 
                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
     else:
         cfg = LlamaConfig(**LLAMA_8B)
-    ft = RunConfig.of({"seed": 0, "formulations": ["reference"], "finetune": {"max_steps": steps}}).finetune
+    ft = RunConfig.of({"seed": 0, "formulations": ["reference"], "finetune": {**_settings(ft),
+                                                                               "max_steps": steps}}).finetune
     dtype_name = finetune.train_dtype(ft, device.startswith("cuda"))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -274,7 +285,7 @@ def _free(device: str) -> None:
 
 # -- driver -------------------------------------------------------------------------------------
 def run_checks(device: Optional[str] = None, tiny: bool = False, atol: float = 1e-4, dpo: bool = True,
-               only: Optional[list[str]] = None, log: Callable[[str], None] = print) -> list[CaseResult]:
+               only: Optional[list[str]] = None, log: Callable[[str], None] = print, ft=None) -> list[CaseResult]:
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -299,7 +310,7 @@ def run_checks(device: Optional[str] = None, tiny: bool = False, atol: float = 1
             results.append(res)
         if dpo and (not only or "dpo" in only):
             try:
-                res = check_dpo(device, tiny, tok, work, steps=1 if tiny else 3)
+                res = check_dpo(device, tiny, tok, work, steps=1 if tiny else 3, ft=ft)
             except Exception as e:
                 res = CaseResult("dpo-step", "FAIL", f"{type(e).__name__}: {e}",
                                  {"traceback": traceback.format_exc(limit=-3)})
@@ -346,6 +357,43 @@ def print_env(driver: Optional[str] = None, log: Callable[[str], Any] = print) -
     return 0
 
 
+def plan_check(plan: str, ft, device: Optional[str], keep: Optional[str], json_path: Optional[str],
+               dpo: bool = True, log: Callable[[str], Any] = lambda s: print(s, flush=True)) -> int:
+    """``memtoc gpucheck --plan PARAMS --quick``: every stage of the plan at a tiny size
+    (:func:`gpuquick.run_quick`), then one DPO step of a full-size 8B model with the plan's own
+    fine-tuning settings (on a CPU: a tiny model); one table (stage, status, seconds, peak GPU memory,
+    tokens/s) and, with ``json_path``, the same as JSON with the environment. 0 when all passed."""
+    t0 = time.time()
+    rc, rows = run_quick(plan, device, keep, log=log)
+    if rc == 2:
+        return rc
+    if dpo and ft is not None and ft.enabled:
+        cuda = not str(device or "").startswith("cpu")
+        work = Path(tempfile.mkdtemp(prefix="memtoc-gpucheck-dpo-"))
+        try:
+            res = check_dpo(device or "cuda", not cuda, build_tokenizer(), work, steps=2, ft=ft)
+        except Exception as e:
+            res = CaseResult("dpo-step", "FAIL", f"{type(e).__name__}: {e}")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        m = res.metrics
+        note = (f"{m.get('params_b')}B, batch {m.get('batch_size')} x {m.get('grad_accum')}, "
+                f"checkpointing {m.get('gradient_checkpointing')}, {m.get('train_dtype')}, "
+                f"{m.get('seconds_per_step')} s/step" if m else res.detail)
+        rows.append(StageRow(f"04 DPO step, plan's settings ({'8B' if cuda else 'tiny'})", res.status,
+                             res.seconds, m.get("peak_gpu_memory_gib"), None, note))
+    for line in format_table(rows):
+        log(line)
+    failed = [r.stage for r in rows if r.status == "FAIL"]
+    log(f"memtoc gpucheck --plan {plan} --quick: {'FAIL: ' + ', '.join(failed) if failed or rc else 'PASS'} "
+        f"in {time.time() - t0:.0f} s")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"plan": plan, "environment": environment(), "passed": not failed and not rc,
+                                               "seconds": round(time.time() - t0, 1),
+                                               "rows": [r.to_json() for r in rows]}, indent=1))
+    return 1 if failed or rc else 0
+
+
 def cli(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="memtoc gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="cuda (default), cuda:1, or cpu to check the CPU path")
@@ -355,19 +403,22 @@ def cli(argv: list[str]) -> int:
     ap.add_argument("--only", nargs="+", default=None,
                     help="cases to run: llama-3.1 qwen2.5 mistral gemma-2 dpo")
     ap.add_argument("--json", default=None, help="write the results (and versions) to this file")
-    ap.add_argument("--plan", default=None, help="a params file (e.g. params/paper.yaml): with --quick, run its "
-                    "whole pipeline at a tiny size with the embedded model (memtoc/run/gpuquick.py)")
-    ap.add_argument("--quick", action="store_true", help="with --plan: every enabled stage, 2 questions, minutes")
+    ap.add_argument("--plan", default=None, help="a params file (e.g. params/paper.yaml): the DPO case trains with "
+                    "its fine-tuning settings; with --quick, its whole pipeline runs at a tiny size with the "
+                    "embedded model first (memtoc/run/gpuquick.py)")
+    ap.add_argument("--quick", action="store_true", help="with --plan: every enabled stage (2 questions) and the "
+                    "plan's 8B DPO step, one table (stage, status, seconds, peak GPU GiB, tokens/s); minutes")
     ap.add_argument("--keep", default=None, help="with --quick: the output folder (default: a temporary one)")
     ap.add_argument("--env", action="store_true", help="say which GPU lock fits this machine's NVIDIA driver, "
                     "and nothing else (no GPU needed)")
     a = ap.parse_args(argv)
     if a.env:
         return print_env()
-    if a.quick or a.plan:
-        if not (a.quick and a.plan):
-            ap.error("--plan and --quick go together: memtoc gpucheck --plan params/paper.yaml --quick")
-        return run_quick(a.plan, a.device, a.keep, log=lambda s: print(s, flush=True))
+    if a.quick and not a.plan:
+        ap.error("--quick needs a plan: memtoc gpucheck --plan params/paper.yaml --quick")
+    plan_ft = RunConfig.load(a.plan).finetune if a.plan else None
+    if a.quick:
+        return plan_check(a.plan, plan_ft, a.device, a.keep, a.json, dpo=not a.no_dpo)
     if not (a.device or "").startswith("cpu"):
         facts = cuda_facts()
         if not facts.available:
@@ -377,7 +428,7 @@ def cli(argv: list[str]) -> int:
     env = environment()
     print("memtoc gpucheck: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None), flush=True)
     t0 = time.time()
-    results = run_checks(a.device, a.tiny, a.atol, not a.no_dpo, a.only, log=lambda s: print(s, flush=True))
+    results = run_checks(a.device, a.tiny, a.atol, not a.no_dpo, a.only, log=lambda s: print(s, flush=True), ft=plan_ft)
     n = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(f"{n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped in {time.time() - t0:.0f} s")
     if a.json:

@@ -11,14 +11,18 @@ run sizes those) and the time of the full run.
 from __future__ import annotations
 
 import copy
+import datetime as _dt
+import json
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from memtoc.config.params import load_params
-from memtoc.config.runconfig import RunConfig
-from memtoc.generation.hardware import check_gpu
+from memtoc.config.runconfig import RunConfig, RunPaths
+from memtoc.generation.hardware import check_gpu, gpu_memory_used_gib
 from memtoc.generation.models import EMBEDDED
 
 #: the tiny sizes: every stage runs, none for long (params/smoke.yaml's, smaller where it matters)
@@ -90,8 +94,112 @@ def cpu_path(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] = None, log=print) -> int:
-    """Run the check; 0 when every enabled notebook ran, 1 when one failed, 2 when there is no GPU."""
+@dataclass
+class StageRow:
+    """One line of the check's table: a notebook of the plan (or a separate case such as the full-size
+    DPO step), whether it ran, its wall time, the GPU memory in use at its peak, and the generation rate."""
+
+    stage: str
+    status: str                      # PASS | FAIL | SKIP | not run
+    seconds: Optional[float] = None
+    peak_gpu_gib: Optional[float] = None     # all processes on the GPU (nvidia-smi), sampled every second
+    tokens_per_s: Optional[float] = None     # new tokens / generation seconds of the replies it generated
+    note: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class MemorySampler:
+    """Samples ``read()`` (default: the GPU memory in use) every ``period`` seconds on a thread, with the
+    time; nothing is recorded where ``read`` returns None (no GPU)."""
+
+    def __init__(self, read: Callable[[], Optional[float]] = gpu_memory_used_gib, period: float = 1.0):
+        self.read, self.period = read, period
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            value = self.read()
+            if value is not None:
+                self.samples.append((time.time(), value))
+            if self._stop.wait(self.period):
+                return
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _epoch(stamp: Optional[str]) -> Optional[float]:
+    try:
+        return _dt.datetime.fromisoformat(str(stamp)).timestamp()
+    except ValueError:
+        return None
+
+
+def generated_in(run_dir: Path, start: float, end: float) -> tuple[int, float]:
+    """New tokens and generation seconds of the replies the run's generation caches received between
+    ``start`` and ``end`` (epoch seconds; each cache line carries the time it was written)."""
+    tokens, seconds = 0, 0.0
+    for path in sorted(Path(run_dir).rglob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if '"n_new_tokens"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                t = _epoch(rec.get("time"))
+                if t is not None and start - 1 <= t <= end + 1 and rec.get("seconds"):
+                    tokens += int(rec.get("n_new_tokens") or 0)
+                    seconds += float(rec["seconds"])
+    return tokens, seconds
+
+
+def stage_rows(run_dir: Path, samples: list[tuple[float, float]]) -> list[StageRow]:
+    """The table's rows from the run's ``config.json`` (each notebook's status, start, end, seconds), the
+    memory samples taken meanwhile and the generation caches."""
+    try:
+        record = json.loads(RunPaths(Path(run_dir)).config_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for entry in record.get("notebooks", []):
+        status = {"ok": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(entry.get("status"), str(entry.get("status")))
+        start, end = _epoch(entry.get("started")), _epoch(entry.get("finished"))
+        row = StageRow(entry.get("notebook", "?"), status, entry.get("seconds"), note=entry.get("reason", ""))
+        if start is not None and end is not None:
+            peak = [gb for t, gb in samples if start - 1 <= t <= end + 1]
+            row.peak_gpu_gib = max(peak) if peak else None
+            tokens, secs = generated_in(run_dir, start, end)
+            row.tokens_per_s = round(tokens / secs, 1) if secs > 0 else None
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[StageRow]) -> list[str]:
+    """The rows as aligned text lines: stage, status, seconds, peak GPU GiB, tokens/s, note."""
+    def cell(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+    out = [f"{'stage':<34} {'status':<7} {'seconds':>8} {'peak GiB':>9} {'tokens/s':>9}  note"]
+    for r in rows:
+        out.append(f"{r.stage:<34} {r.status:<7} {cell(r.seconds, '8.1f')} {cell(r.peak_gpu_gib, '9.2f')} "
+                   f"{cell(r.tokens_per_s, '9.1f')}  {r.note}".rstrip())
+    return out
+
+
+def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] = None,
+              log=print) -> tuple[int, list[StageRow]]:
+    """Run the check; returns (0 when every enabled notebook ran, 1 when one failed, 2 when there is no
+    GPU; the table's rows, one per notebook)."""
     from memtoc.run import pipeline
 
     root = keep or tempfile.mkdtemp(prefix="memtoc-gpucheck-")
@@ -101,10 +209,13 @@ def run_quick(plan_file: str, device: Optional[str] = None, keep: Optional[str] 
     log(f"memtoc gpucheck --plan {plan_file} --quick: {EMBEDDED} through every enabled stage on "
         f"{cfg.backend}, 2 questions, outputs in {root}")
     t0 = time.time()
-    try:
-        pipeline.run(cfg, source=cfg.source)
-    except pipeline.PipelineError as e:
-        log(f"FAIL after {time.time() - t0:.0f} s: {e}")
-        return 1
-    log(f"PASS in {time.time() - t0:.0f} s: every enabled notebook ran and verified ({Path(root) / 'gpucheck-quick'})")
-    return 0
+    rc = 0
+    with MemorySampler() as sampler:
+        try:
+            pipeline.run(cfg, source=cfg.source)
+        except pipeline.PipelineError as e:
+            log(f"FAIL after {time.time() - t0:.0f} s: {e}")
+            rc = 1
+    if rc == 0:
+        log(f"PASS in {time.time() - t0:.0f} s: every enabled notebook ran and verified ({cfg.run_dir})")
+    return rc, stage_rows(cfg.run_dir, sampler.samples)

@@ -1,5 +1,6 @@
 """GPU preconditions checked before work starts, and memory handed back when a generator closes."""
 import gc
+import time
 import weakref
 
 import pytest
@@ -222,7 +223,7 @@ def test_gpu_capability_comes_from_the_driver_without_a_cuda_context(monkeypatch
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert gpuenv.gpu_capability(smi) == (9, 0)
-    assert seen[-1] == ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    assert seen[-1] == ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader,nounits"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert gpuenv.gpu_capability(lambda cmd, **kw: seen.append(cmd) or _Done(0, "8.0\n")) == (8, 0)
     assert seen[-1][1] == "--id=1"
@@ -294,3 +295,77 @@ def test_models_load_straight_onto_the_gpu(tiny_model_dir, monkeypatch):  # noqa
             training.load_train_model(tiny_model_dir, RunConfig.of({"finetune": {"train_dtype": "float32"}}).finetune)
         got = [{k: kw[k] for k in ("device_map",) if k in kw} for kw in seen]
         assert got == [want] * 3, (device, got)
+
+
+def test_the_plan_checks_table_reads_each_stages_time_memory_and_rate(tmp_path):
+    """``gpucheck --plan --quick``'s table: each notebook's status and seconds from config.json, the peak of
+    the GPU memory sampled while it ran, and its generation rate from the cache lines written meanwhile."""
+    import json
+
+    from memtoc.core.io import write_json
+    from memtoc.run import gpuquick
+    t0 = 1_800_000_000.0
+
+    def iso(t):
+        import datetime as dt
+        return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="seconds")
+
+    write_json(tmp_path / "config.json", {"notebooks": [
+        {"notebook": "02_elicitation", "status": "ok", "started": iso(t0), "finished": iso(t0 + 30), "seconds": 30.2},
+        {"notebook": "03_evaluation", "status": "failed", "started": iso(t0 + 31), "finished": iso(t0 + 50), "seconds": 19.0},
+        {"notebook": "05_probes", "status": "skipped", "reason": "probes.enabled is false"}]})
+    gen = tmp_path / "generations" / "m"
+    gen.mkdir(parents=True)
+    lines = [{"key": "a", "n_new_tokens": 40, "seconds": 2.0, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0 + 10))},
+             {"key": "b", "n_new_tokens": 20, "seconds": 2.0, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0 + 20))},
+             {"key": "c", "n_new_tokens": 90, "seconds": 1.0, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t0 + 40))}]
+    (gen / "arm.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"key": "cut', encoding="utf-8")
+    samples = [(t0 + 5, 3.0), (t0 + 25, 21.5), (t0 + 40, 12.0), (t0 + 90, 70.0)]
+    rows = gpuquick.stage_rows(tmp_path, samples)
+    assert [(r.stage, r.status, r.seconds, r.peak_gpu_gib, r.tokens_per_s) for r in rows] == [
+        ("02_elicitation", "PASS", 30.2, 21.5, 15.0), ("03_evaluation", "FAIL", 19.0, 12.0, 90.0),
+        ("05_probes", "SKIP", None, None, None)]
+    text = gpuquick.format_table(rows)
+    assert text[0].split()[:3] == ["stage", "status", "seconds"] and "probes.enabled is false" in text[3]
+    assert gpuquick.stage_rows(tmp_path / "nothing", samples) == []
+
+
+def test_the_memory_sampler_records_only_where_there_is_a_gpu():
+    from memtoc.run import gpuquick
+    with gpuquick.MemorySampler(read=lambda: 1.5, period=0.01) as s:
+        time.sleep(0.05)
+    assert s.samples and all(gb == 1.5 for _, gb in s.samples)
+    with gpuquick.MemorySampler(read=lambda: None, period=0.01) as s:
+        time.sleep(0.03)
+    assert s.samples == []
+    assert gpuenv.gpu_memory_used_gib(lambda cmd, **kw: _Done(0, "40960\n")) == 40.0
+    assert gpuenv.gpu_memory_used_gib(lambda cmd, **kw: _Done(9, "")) is None
+
+
+def test_the_plan_check_trains_its_dpo_step_with_the_plans_own_settings(monkeypatch, tmp_path, capsys):
+    """The DPO step of ``gpucheck --plan params/paper.yaml --quick`` uses the plan's fine-tuning settings (batch
+    4 x accumulation 2, gradient checkpointing, bf16), not the block's defaults; the table and the JSON
+    carry one row per stage plus that step."""
+    import json
+
+    from memtoc.run import gpuquick
+    seen = {}
+    monkeypatch.setattr(gpucheck, "run_quick", lambda plan, device, keep, log: (0, [
+        gpuquick.StageRow("02_elicitation", "PASS", 12.0, None, 80.5)]))
+
+    def fake_dpo(device, tiny, tok, work, steps, ft=None):
+        seen.update(device=device, tiny=tiny, ft=gpucheck._settings(ft))
+        return gpucheck.CaseResult("dpo-step", "PASS", "", {"params_b": 8.03, "batch_size": ft["batch_size"],
+                                   "grad_accum": ft["grad_accum"], "gradient_checkpointing": ft["gradient_checkpointing"],
+                                   "train_dtype": "bfloat16", "seconds_per_step": 1.9, "peak_gpu_memory_gib": 31.2}, 9.0)
+
+    monkeypatch.setattr(gpucheck, "check_dpo", fake_dpo)
+    out = tmp_path / "check.json"
+    assert cli.main(["gpucheck", "--plan", "params/paper.yaml", "--quick", "--json", str(out)]) == 0
+    assert seen["ft"]["batch_size"] == 4 and seen["ft"]["grad_accum"] == 2 and seen["ft"]["gradient_checkpointing"] is True
+    assert seen["ft"]["train_dtype"] == "bfloat16" and seen["tiny"] is False
+    text = capsys.readouterr().out
+    assert "04 DPO step, plan's settings (8B)" in text and "31.20" in text and "batch 4 x 2" in text
+    data = json.loads(out.read_text())
+    assert data["passed"] is True and [r["stage"] for r in data["rows"]] == ["02_elicitation", "04 DPO step, plan's settings (8B)"]
+    assert data["rows"][0]["tokens_per_s"] == 80.5 and "torch" in data["environment"]
