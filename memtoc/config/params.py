@@ -257,8 +257,51 @@ def check_judge(j: Any, fail) -> dict[str, Any]:
     return JudgeConfig.resolve(j, fail).to_dict()
 
 
+EXTENDS = "extends"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """One parameter file as a mapping (empty file: {}), or a ConfigError naming the file."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
+                          "parameter file as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the parameter file ({e.strerror})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the parameter file must be a YAML mapping (key: value lines, see "
+                          f"params/default.yaml), got a {type(raw).__name__}")
+    return raw
+
+
+def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A parameter file's own keys over those of the file it ``extends`` (a path relative to the file's
+    folder; nested mappings merge key by key, lists and other values replace), recursively."""
+    raw = _read_yaml(path)
+    base = raw.pop(EXTENDS, None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{path}: field '{EXTENDS}' must name one parameter file (e.g. extends: paper.yaml), "
+                          f"got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in _seen or base_path == path.resolve():
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve(), base_path))
+        raise ConfigError(f"{path}: field '{EXTENDS}' makes a cycle ({chain}); remove one of the extends lines")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: field '{EXTENDS}': {base_path} does not exist (the path is relative to "
+                          f"{path.parent})")
+    return _merge(read_params_file(base_path, (*_seen, path.resolve())), raw)
+
+
 def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read a params YAML (or just the defaults when ``path`` is None) and validate it."""
+    """Read a params YAML (its own keys over the file it ``extends``, if any; or just the defaults when
+    ``path`` is None) and validate it."""
     raw: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
@@ -271,20 +314,7 @@ def load_params(path: str | os.PathLike | None = None, overrides: dict[str, Any]
         if not path.is_file():
             raise ConfigError(f"parameter file {path} does not exist; the shipped ones are in params/ "
                               f"({', '.join(sorted(p.name for p in (REPO_ROOT / 'params').glob('*.yaml')))})")
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
-                              "parameter file as UTF-8") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read the parameter file ({e.strerror})") from None
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the parameter file must be a YAML mapping (key: value lines, see "
-                              f"params/default.yaml), got a {type(raw).__name__}")
+        raw = read_params_file(path)
     if overrides:
         # the file alone first: an error the file causes names the file; one that only the overrides
         # cause names them (`--set KEY=VALUE` on the command line)
