@@ -373,24 +373,29 @@ def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
 
 def estimate_probes(ctx: Context, step) -> StagePlan:
     pr = ctx.cfg.probes
-    plan = StagePlan(step.name, True, device=ctx.device, backend="transformers (float32)",
+    plan = StagePlan(step.name, True, device=ctx.device, backend=f"transformers ({pr.dtype})",
                      data=f"lens fit {pr.lens_fit_prompts} x {pr.lens_max_seq_len} tokens, SAE {pr.sae_steps} steps on "
                           f"{pr.sae_prompts} prompts, {pr.steer_per_direction} steering episodes per direction, "
                           f"mining on {pr.mining_set}, stopping bar {pr.steer_bar}")
     plan.lines.append(f"  {step.name:<18} per model: {plan.data} (exact lens: one backward pass per residual coordinate)")
     n_eps = min(pr.lens_max_episodes, ctx.n03)
     rows = []
-    for spec in ctx.specs:
+    for spec in [s for s in ctx.specs if s.name in pr.models]:
         w = ctx.est[spec.name]["weights_gb"]
-        if w is not None:
-            plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * 4.0 * 1.3)   # float32 weights + activations
+        if w is not None:   # weights in probes.dtype + activations
+            plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * BYTES_PER_PARAM[pr.dtype] * 1.3)
         n_dict, n_single, n_arms = steering_plan(spec, pr)
         lens = pr.lens_files.get(spec.name, pr.lens_files.get(spec.label))
         rows.append((spec, 0, probes_seconds(spec, pr, n_eps),
                      f"lens {'fitted here' if not lens else lens if lens != PUBLISHED_LENS else 'published'}, "
                      f"{n_dict} dictionar{'y' if n_dict == 1 else 'ies'}, {n_single} single-layer + {n_arms} "
                      "multi-layer steering arm(s);"))
-    return _per_model(plan, ctx, rows)
+    plan = _per_model(plan, ctx, rows)
+    if plan.gpu_gb:
+        gpu = _gpu_class(plan.gpu_gb)
+        plan.lines.append(f"      memory: the largest probed model in {pr.dtype} ~{plan.gpu_gb:.0f} GB -> "
+                          + (f"{gpu} GB GPU" if gpu else "more than one GPU holds (probes.dtype: bfloat16 halves it)"))
+    return plan
 
 
 def estimate_transfer(ctx: Context, step) -> StagePlan:
@@ -547,7 +552,8 @@ def dry_run(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<pa
     lines += ["", f"total generation + training, rough: ~{_dur(total)}"
               + (" (plus the parts whose time is unknown)" if unknown else "")
               + "; statistics (n_boot, n_perm) and the report add minutes"]
-    need = max((e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]) if ctx.est or judge_est else 0
+    need = max([(e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]]
+               + [_gpu_class(p.gpu_gb) or 0 for p in plans if p.enabled and p.gpu_gb], default=0)
     if c.backend == "vllm":
         ft_how = ("; 04 trains with transformers and evaluates its adapters through vLLM's LoRA serving"
                   if c.finetune.eval_backend == "vllm" else "; 04 trains and evaluates with transformers")

@@ -356,3 +356,51 @@ def test_the_lens_figure_says_which_models_and_lenses_it_shows():
     assert got == "registry models, given lens, lens fitted on wikitext-103" and "tiny" not in got
     assert lens_provenance({"models": {"smollm2-135m-instruct": fitted, "gemma-2-9b-it": fitted}}).startswith(
         "tiny and registry models")
+
+
+def test_a_bfloat16_model_runs_every_probe_in_float32_read_outs(tmp_path):
+    """probes.dtype bfloat16 (half the memory: the 40 GB route): read-outs, the SAE's reconstruction spliced
+    back in, and steering edits all run on a bfloat16 model (replacements cast back to its dtype, read-outs
+    in float32); a strength-0 edit leaves its greedy replies unchanged; the replies' cache identity records
+    the dtype, so a float32 sweep's replies are never reused for it."""
+    lm32 = tiny_lm(seed=3)
+    lm = tiny_lm(seed=3)
+    lm.model.to(torch.bfloat16)
+    lm.dtype = "bfloat16"
+    res, logits = residuals(lm, lm.encode_text("Question 1? Paris", 16), [0, 1])
+    assert res[0].dtype == torch.float32 and logits.dtype == torch.float32
+    assert unembed(lm.model, res[1]).dtype == torch.float32
+    eps = [{"question_id": f"q{i}", "memory_span": a, "prompt": f"Question {i}?", "outcome": o}
+           for i, (a, o) in enumerate([("Paris", "kept_memory"), ("Lyon", "followed_tool")])]
+    out = core.lens_set(lm, L.identity_lens(lm.d_model, [0, 1]), [0, 1], eps, n_control=2)
+    assert out["jacobian"]["followed_tool"]["n"] == 1
+    sae = S.TopKSAE(lm.d_model, 32, 4)
+    assert math.isfinite(S.spliced_loss(lm, [lm.encode_text("Question 2? Lyon", 16)], 1, sae)["increase"])
+    acts = S.layer_acts(lm, [lm.encode_text("Question 3? Rome", 16)], 1)
+    assert acts[0].dtype == torch.float32
+    prompts = ['Tool output: {"result": "Paris"}\nQuestion: capital?\n']
+    spans = {prompts[0]: '{"result": "Paris"}'}
+    plain = [_greedy(lm, p, 8) for p in prompts]
+    edit0 = ST.Edit(1, "to_memory", "last", 0.0, (0, 1), (5.0, 5.0), (2, 3))
+    gen = ST.SteeredGenerator(lm, [(sae, ST.sae_sha256(sae), edit0)], spans, max_new_tokens=8, stop_at_final=False)
+    assert [r.text for r in gen.generate(prompts, cache_path=tmp_path / "r.jsonl")] == plain
+    edit = ST.Edit(1, "to_memory", "last", 12.0, (0, 1), (5.0, 5.0), (2, 3))
+    ST.SteeredGenerator(lm, [(sae, ST.sae_sha256(sae), edit)], spans, max_new_tokens=8,
+                        stop_at_final=False).generate(prompts, cache_path=tmp_path / "r.jsonl")
+    g32 = ST.SteeredGenerator(lm32, [(sae, ST.sae_sha256(sae), edit0)], spans, max_new_tokens=8, stop_at_final=False)
+    assert gen.identity["dtype"] == "bfloat16" and "dtype" not in g32.identity
+
+
+def test_probes_models_and_dtype_are_checked():
+    run = {"models": ["smollm2-135m-instruct", "gemma-3-270m"]}
+    assert RunConfig.of(run).probes.models == ("smollm2-135m-instruct", "gemma-3-270m")
+    assert RunConfig.of({**run, "probes": {"models": ["gemma-3-270m"]}}).probes.models == ("gemma-3-270m",)
+    with pytest.raises(ConfigError, match=r"probes\.models.*drawn from the run's models"):
+        RunConfig.of({**run, "probes": {"models": ["llama-3.1-8b"]}}).probes
+    with pytest.raises(ConfigError, match=r"probes\.dtype.*float32, bfloat16"):
+        RunConfig.of({**run, "probes": {"dtype": "float16"}}).probes
+    with pytest.raises(ConfigError, match=r"probes\.dtype.*needs a lens.*\['gemma-3-270m'\]"):
+        RunConfig.of({**run, "probes": {"dtype": "bfloat16", "lens_files": {"smollm2-135m-instruct": "/x/lens.pt"}}}).probes
+    ok = RunConfig.of({**run, "probes": {"dtype": "bfloat16", "models": ["smollm2-135m-instruct"],
+                                         "lens_files": {"smollm2-135m-instruct": "/x/lens.pt"}}}).probes
+    assert ok.dtype == "bfloat16"

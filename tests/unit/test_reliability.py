@@ -508,6 +508,24 @@ def test_dry_run_prints_the_plans_without_weights(capsys):
     assert "vllm" not in _sys.modules        # nothing of the GPU stack was imported
 
 
+def test_the_40gb_route_fits_a_40gb_gpu_where_paper_yaml_needs_80(capsys):
+    """params/paper-40gb.yaml (paper.yaml plus memory settings): every engine, the judge and 05 fit 40 GB by
+    the dry run's own estimates; paper.yaml needs 80 (the judge at 0.4 of the GPU, 05 in float32, which
+    the "needs" line now counts); the two differ only in the documented keys."""
+    from memtoc.run import dryrun
+    paper, small = (RunConfig.load(REPO_ROOT / "params" / f) for f in ("paper.yaml", "paper-40gb.yaml"))
+    big, fit = dryrun.dry_run_json(paper), dryrun.dry_run_json(small)
+    assert big["gpu_gb"] > 40 >= fit["gpu_gb"]
+    assert "at least 40 GB" in dryrun.dry_run(small) and "at least 80 GB" in dryrun.dry_run(paper)
+    probes = {p["stage"]: p for p in fit["stages"]}["05_probes"]
+    assert [m["model"] for m in probes["per_model"]] == ["llama-3.1-8b-instruct", "qwen2.5-7b-instruct", "gemma-2-9b-it"]
+    a, b = load_params(REPO_ROOT / "params" / "paper.yaml"), load_params(REPO_ROOT / "params" / "paper-40gb.yaml")
+    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert differ == {"run_name", "backend_options", "judge", "probes"}
+    assert {k for k in {*a["probes"], *b["probes"]} if a["probes"].get(k) != b["probes"].get(k)} == {"dtype", "models"}
+    assert {**a["backend_options"], "gpu_memory_utilization": 0.9} == b["backend_options"]
+
+
 def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     from memtoc.run import dryrun
     from memtoc.stages import finetune

@@ -3,12 +3,14 @@ cost; params/probes.yaml: the documented full sizes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-from memtoc.config.blocks.base import Block, Fail, is_num
+from memtoc.config.blocks.base import Block, Fail, as_list, is_num
 from memtoc.core.vocab import BAND, BUILTIN, DIRECTIONS, FVU_GATE, MINING_SETS, POSITIONS, STEER_BARS
+from memtoc.generation.models import ModelError, get_model
 
 PER_MODEL = ("bands", "lens_files", "sae_layers", "sae_files", "arms")   # mappings keyed by model name
+PROBE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,10 @@ class ProbesConfig(Block):
     SEE = "params/probes.yaml"
 
     enabled: bool = True
+    models: Optional[tuple[str, ...]] = None       # None: every run model; else a list of the run's models
+    dtype: str = "float32"                         # the probed models' weights and read-outs: float32, or bfloat16
+                                                   # (half the memory: an 8-9B model on a 40 GB GPU); the lens fit
+                                                   # needs float32, so under bfloat16 every model needs a lens_files entry
     corpus: str = BUILTIN                          # builtin (pydoc_data.topics) or a UTF-8 text file
     # Jacobian lens
     bands: dict = field(default_factory=dict)      # {model: [lo, hi]} inclusive source layers; default: the top
@@ -83,6 +89,19 @@ class ProbesConfig(Block):
         for key in PER_MODEL:
             if not isinstance(pr[key], dict):
                 fail(key, f"must be a mapping keyed by model name, got {pr[key]!r}")
+        run_models = list(run["models"])
+        pr["models"] = run_models if pr["models"] is None else as_list(pr["models"])
+        if not isinstance(pr["models"], list) or not pr["models"] or any(m not in run_models for m in pr["models"]):
+            fail("models", f"must be null (every run model) or a non-empty list drawn from the run's models "
+                           f"{run_models}, got {pr['models']!r}")
+        if pr["dtype"] not in PROBE_DTYPES:
+            fail("dtype", f"must be one of {', '.join(PROBE_DTYPES)}, got {pr['dtype']!r}")
+        if pr["dtype"] == "bfloat16":
+            unfitted = [m for m in pr["models"] if not _lens_named(pr["lens_files"], m)]
+            if unfitted:
+                fail("dtype", f"bfloat16 needs a lens for every probed model (the lens fit's backward passes need "
+                              f"float32), and {unfitted} have none: name one in probes.lens_files (published, a "
+                              "path or a URL), leave those models out of probes.models, or use float32")
         for key, valid in (("mining_set", MINING_SETS), ("steer_bar", STEER_BARS)):
             if pr[key] not in valid:
                 fail(key, f"unknown value {pr[key]!r}; valid: {', '.join(valid)}")
@@ -103,3 +122,13 @@ class ProbesConfig(Block):
             fail(f"{where}.layers", f"must be {BAND!r} or a list of distinct layer numbers, got {layers!r}")
         if arm.get("position", "last") not in POSITIONS:
             fail(f"{where}.position", f"unknown position {arm.get('position')!r}; valid: {', '.join(POSITIONS)}")
+
+
+def _lens_named(lens_files: dict, model: str) -> bool:
+    """Whether ``probes.lens_files`` names a lens for ``model`` (by registry name or label)."""
+    if lens_files.get(model):
+        return True
+    try:
+        return bool(lens_files.get(get_model(model).label))
+    except ModelError:
+        return False

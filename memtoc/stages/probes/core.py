@@ -271,9 +271,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "run_name": cfg.run_name,
                                "corpus": cinfo.to_dict(), "caveat": "",
                                "config": pr.to_dict(), "models": {}, "published": published(cfg.release_dir)}
-    for name in cfg.models:
+    for name in pr.models:
         t0 = time.time()
-        lm = load_model(name, cfg.model_cache_dir)
+        lm = load_model(name, cfg.model_cache_dir, dtype=pr.dtype)
         t_load = time.time() - t0
         rows = read_scored(run_dir, lm.spec.label, sorted(set(pr.lens_formulations) | set(pr.steer_formulations)))
         lens_rows = [r for r in rows if r["formulation"] in pr.lens_formulations]

@@ -21,8 +21,8 @@ from memtoc.generation.hardware import placement
 
 @dataclass
 class LoadedModel:
-    """A model ready for probing: float32, eval mode, parameters frozen, on its device (the GPU when
-    there is one: every input the probes build is placed on ``device``)."""
+    """A model ready for probing: float32 (or ``probes.dtype``), eval mode, parameters frozen, on its device
+    (the GPU when there is one: every input the probes build is placed on ``device``)."""
 
     name: str
     spec: Any                 # models.ModelSpec
@@ -30,6 +30,7 @@ class LoadedModel:
     model: Any                # transformers PreTrainedModel
     tokenizer: Any
     weights_sha256: str
+    dtype: str = "float32"    # the weights' dtype (probes.dtype); steered replies record it when not float32
 
     @property
     def device(self) -> torch.device:
@@ -57,9 +58,11 @@ class LoadedModel:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])[:max_tokens]
 
 
-def load_model(name: str, cache_dir: Optional[str] = None, device: Optional[str] = None) -> LoadedModel:
+def load_model(name: str, cache_dir: Optional[str] = None, device: Optional[str] = None,
+               dtype: str = "float32") -> LoadedModel:
     """Load ``name`` (a registry name or local directory, prepared by ``memtoc model prepare``) in
-    float32 on ``device`` (default: the GPU when there is one). On a GPU the matrix products use TF32
+    ``dtype`` (float32, or bfloat16: half the memory; read-out logits are computed in float32 either
+    way) on ``device`` (default: the GPU when there is one). On a GPU the matrix products use TF32
     (the lens fit's backward passes stay in float32 storage; TF32 keeps ~10 mantissa bits in the
     products, far below the rank differences the read-outs report)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,13 +74,13 @@ def load_model(name: str, cache_dir: Optional[str] = None, device: Optional[str]
     spec = models.get_model(name)
     path = models.prepare_model(name, cache_dir=cache_dir)
     attn = models.attention_implementation(_config(path), "eager")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn,
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), attn_implementation=attn,
                                                  **placement(device))
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(path))
-    return LoadedModel(name, spec, path, model, tok, models.weights_hash(path, cache_dir))
+    return LoadedModel(name, spec, path, model, tok, models.weights_hash(path, cache_dir), dtype)
 
 
 def _config(path: Path):
@@ -115,7 +118,7 @@ def final_norm(model):
 
 def unembed(model, h: torch.Tensor) -> torch.Tensor:
     """Logits of residual-stream vectors ``h`` (..., d_model): final norm, lm_head, final soft cap."""
-    logits = model.lm_head(final_norm(model)(h)).float()
+    logits = model.lm_head(final_norm(model)(h.to(model.lm_head.weight.dtype))).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -132,14 +135,15 @@ def _with_tensor(output, new):
 
 @contextlib.contextmanager
 def layer_hooks(model, fns: dict[int, Callable[[torch.Tensor], Optional[torch.Tensor]]]) -> Iterator[None]:
-    """Forward hooks on decoder layers: ``fns[l](resid_post)`` may return a replacement tensor."""
+    """Forward hooks on decoder layers: ``fns[l](resid_post)`` may return a replacement tensor (cast to the
+    layer's dtype: a float32 reconstruction or edit goes back into a bfloat16 model as bfloat16)."""
     layers = decoder_layers(model)
     handles = []
 
     def make(fn):
         def hook(module, args, output):
             new = fn(_out_tensor(output))
-            return None if new is None else _with_tensor(output, new)
+            return None if new is None else _with_tensor(output, new.to(_out_tensor(output).dtype))
         return hook
 
     try:
@@ -152,12 +156,13 @@ def layer_hooks(model, fns: dict[int, Callable[[torch.Tensor], Optional[torch.Te
 
 
 def residuals(lm: LoadedModel, ids: list[int], layers: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """({layer: resid_post (T, d)}, final logits (T, V)) of one sequence, no gradients."""
+    """({layer: resid_post (T, d)}, final logits (T, V)) of one sequence, no gradients, in float32 (the
+    read-outs of a bfloat16 model too)."""
     got: dict[int, torch.Tensor] = {}
 
     def grab(l):
         def fn(h):
-            got[l] = h[0].detach()
+            got[l] = h[0].detach().float()
         return fn
 
     with torch.no_grad(), layer_hooks(lm.model, {l: grab(l) for l in layers}):

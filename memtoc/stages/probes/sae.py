@@ -121,7 +121,7 @@ def save_sae(sae: TopKSAE, path: Path, *, model_name: str, layer: int, extra: Op
 
 def layer_acts(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, positions: str = "all"
                ) -> list[torch.Tensor]:
-    """Layer ``layer``'s residual stream per sequence ((T, d) each; ``positions='last'``: (1, d)),
+    """Layer ``layer``'s residual stream per sequence ((T, d) each, float32; ``positions='last'``: (1, d)),
     the forward pass stopped after that layer."""
     out = []
     blk = decoder_layers(lm.model)[layer]
@@ -129,7 +129,7 @@ def layer_acts(lm: LoadedModel, seqs: Sequence[list[int]], layer: int, positions
         got = {}
 
         def hook(module, args, output):
-            got["h"] = (output[0] if isinstance(output, tuple) else output)[0].detach()
+            got["h"] = (output[0] if isinstance(output, tuple) else output)[0].detach().float()
             raise _Halt
 
         h = blk.register_forward_hook(hook)

@@ -75,7 +75,7 @@ def apply_edit(sae: SparseDictionary, h: torch.Tensor, positions: Sequence[int],
     out = h.clone()
     pos = torch.tensor(list(positions), dtype=torch.long, device=h.device)
     rows = h[0, pos]
-    out[0, pos] = rows + edit.strength * edit_delta(sae, rows, edit)
+    out[0, pos] = (rows + edit.strength * edit_delta(sae, rows, edit)).to(out.dtype)
     return out
 
 
@@ -121,7 +121,8 @@ class SteeredGenerator(Generator):
                  "weights_sha256": lm.weights_sha256, "sae_sha256": shas[0] if len(edits) == 1 else shas,
                  "edit": dicts[0] if len(edits) == 1 else dicts,
                  "max_new_tokens": max_new_tokens, "stop_at_final": stop_at_final,
-                 **({"stop_at_first_line": True} if stop_at_first_line else {})}
+                 **({"stop_at_first_line": True} if stop_at_first_line else {}),
+                 **({"dtype": lm.dtype} if lm.dtype != "float32" else {})}
         super().__init__(ident)
         self.lm, self.edits, self.spans = lm, [(sae, e) for sae, _, e in edits], spans
         self.position = edits[0][2].position
