@@ -239,7 +239,7 @@ def test_paper_params_run_app_c_recipe_and_the_dry_run_counts_its_dictionaries()
         assert all(str(v).startswith("hf://") for v in pr.sae_files[model].values())
     # the published lens is read, not fitted: no fit time for gemma, the fit for the base Llama
     assert pr.lens_files["gemma-2-9b-it"] == "published" and "llama-3.1-8b" not in pr.lens_files
-    fitted = RunConfig.of({"probes": {**pr.to_dict(), "lens_files": {}}}).probes
+    fitted = RunConfig.of({"probes": {**pr.to_dict(), "lens_files": {}, "models": None}}).probes
     assert dryrun.probes_seconds(gemma, fitted, 100) - dryrun.probes_seconds(gemma, pr, 100) > 3600
 
 
