@@ -526,6 +526,31 @@ def test_the_40gb_route_fits_a_40gb_gpu_where_paper_yaml_needs_80(capsys):
     assert {**a["backend_options"], "gpu_memory_utilization": 0.9} == b["backend_options"]
 
 
+def test_the_gpu_docs_state_the_dry_runs_own_figures():
+    """docs/gpu.md's table gives each params file's dry-run total and memory; a change of the formulas or the
+    params that moves them fails here until the docs follow."""
+    import re
+
+    from memtoc.run import dryrun
+    text = (REPO_ROOT / "docs" / "gpu.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "params/" in line and "~" in line]
+    seen = set()
+    for line in rows:
+        name = re.search(r"`params/([\w.-]+\.yaml)`", line).group(1)
+        hours = float(re.search(r"~([\d.]+) h", line).group(1))
+        plan = dryrun.dry_run_json(RunConfig.load(REPO_ROOT / "params" / name))
+        assert round(plan["total_seconds"] / 3600, 1) == hours, (name, line)
+        need = re.search(r"needs (\d+) GB", line)
+        if need:
+            assert dryrun._gpu_class(plan["gpu_gb"]) == int(need.group(1)), (name, line)
+        seen.add(name)
+    assert seen >= {"paper.yaml", "paper-40gb.yaml"}
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    for name in ("paper.yaml", "paper-40gb.yaml"):
+        hours = dryrun.dry_run_json(RunConfig.load(REPO_ROOT / "params" / name))["total_seconds"] / 3600
+        assert f"~{hours:.0f} h" in readme, name
+
+
 def test_dry_run_counts_the_fine_tuned_models_and_their_own_closed_book(capsys):
     from memtoc.run import dryrun
     from memtoc.stages import finetune
