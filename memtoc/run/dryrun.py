@@ -520,6 +520,34 @@ def plan_stages(cfg: RunConfig, only: Optional[list[str]] = None,
     return ctx, out, mem_lines, judge_est
 
 
+def model_seconds(plans: list[StagePlan]) -> dict[str, float]:
+    """Each model's estimated seconds summed over the enabled stages: the work of one GPU when the models are
+    sharded one per GPU (docs/gpu.md, ``memtoc merge``)."""
+    out: dict[str, float] = {}
+    for p in plans:
+        if p.enabled:
+            for m in p.per_model:
+                if m.get("seconds") is not None:
+                    out[m["model"]] = out.get(m["model"], 0.0) + float(m["seconds"])
+    return out
+
+
+def sharded_seconds(per_model: dict[str, float], gpus: int) -> float:
+    """Wall-clock seconds with ``gpus`` GPUs, each running whole models (one process per model, the longest
+    model first onto the least loaded GPU): the largest GPU's load. A model is not split over GPUs here
+    (that is ``tensor_parallel_size``)."""
+    loads = [0.0] * max(1, int(gpus))
+    for secs in sorted(per_model.values(), reverse=True):
+        loads[loads.index(min(loads))] += secs
+    return max(loads)
+
+
+def critical_stage(plans: list[StagePlan]) -> Optional[StagePlan]:
+    """The enabled stage with the most estimated seconds (None when none is estimated)."""
+    timed = [p for p in plans if p.enabled and p.seconds]
+    return max(timed, key=lambda p: p.seconds) if timed else None
+
+
 def dry_run_json(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<params>") -> dict[str, Any]:
     """``memtoc run PARAMS --dry-run --json``: ``{"stages": [...], "total_seconds", ...}``."""
     ctx, plans, _, judge_est = plan_stages(cfg, only, source)
@@ -532,6 +560,9 @@ def dry_run_json(cfg: RunConfig, only: Optional[list[str]] = None, source: str =
             "unestimated_stages": [p.stage for p in plans if p.enabled and p.seconds is None],
             "gpu_gb": max(gpu) if gpu else None,
             "gpus_per_model": max([e.get("gpus", 1) for e in ctx.est.values()], default=1),
+            "per_model_seconds": (per := model_seconds(plans)),
+            "critical_stage": (crit.stage if (crit := critical_stage(plans)) else None),
+            "sharded_seconds": {str(n): sharded_seconds(per, n) for n in range(1, len(per) + 1)} if per else {},
             "note": "estimates from the formulas in memtoc/run/dryrun.py (assumed constants, not measurements)"}
 
 
@@ -552,6 +583,13 @@ def dry_run(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<pa
     lines += ["", f"total generation + training, rough: ~{_dur(total)}"
               + (" (plus the parts whose time is unknown)" if unknown else "")
               + "; statistics (n_boot, n_perm) and the report add minutes"]
+    crit, per = critical_stage(plans), model_seconds(plans)
+    if crit is not None and total:
+        lines.append(f"critical stage: {crit.stage} (~{_dur(crit.seconds)}, {crit.seconds / total:.0%} of the total)")
+    if len(per) > 1:
+        lines.append("one model per GPU, then `memtoc merge` (docs/gpu.md): " + ", ".join(
+            f"{n} GPUs ~{_dur(sharded_seconds(per, n))}" for n in range(2, len(per) + 1))
+            + f" (the longest model: {max(per, key=per.get)}, ~{_dur(max(per.values()))})")
     need = max([(e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]]
                + [_gpu_class(p.gpu_gb) or 0 for p in plans if p.enabled and p.gpu_gb], default=0)
     if c.backend == "vllm":

@@ -526,6 +526,25 @@ def test_the_40gb_route_fits_a_40gb_gpu_where_paper_yaml_needs_80(capsys):
     assert {**a["backend_options"], "gpu_memory_utilization": 0.9} == b["backend_options"]
 
 
+def test_the_dry_run_names_the_critical_stage_and_the_time_on_n_gpus():
+    """One model per GPU then ``memtoc merge``: the dry run gives each model's seconds over the stages, the
+    wall-clock time for 1..N GPUs (whole models, the longest first onto the least loaded GPU) and the
+    stage that dominates."""
+    from memtoc.run import dryrun
+    assert dryrun.sharded_seconds({"a": 5.0, "b": 4.0, "c": 3.0, "d": 3.0}, 2) == 8.0    # {a, d} {b, c}
+    assert dryrun.sharded_seconds({"a": 5.0, "b": 4.0}, 4) == 5.0
+    assert dryrun.sharded_seconds({"a": 5.0, "b": 4.0}, 1) == 9.0
+    plan = dryrun.dry_run_json(RunConfig.load(REPO_ROOT / "params" / "paper.yaml"))
+    per, wall = plan["per_model_seconds"], plan["sharded_seconds"]
+    assert set(per) == set(plan["models"]) and abs(sum(per.values()) - plan["total_seconds"]) < 1.0
+    assert abs(wall["1"] - sum(per.values())) < 1e-6 and wall[str(len(per))] == max(per.values())
+    assert all(wall[str(n)] >= wall[str(n + 1)] for n in range(1, len(per)))
+    assert plan["critical_stage"] == max((s for s in plan["stages"] if s["enabled"] and s["seconds"]),
+                                         key=lambda s: s["seconds"])["stage"]
+    text = dryrun.dry_run(RunConfig.load(REPO_ROOT / "params" / "paper.yaml"))
+    assert f"critical stage: {plan['critical_stage']}" in text and "one model per GPU" in text and "5 GPUs ~" in text
+
+
 def test_the_gpu_docs_state_the_dry_runs_own_figures():
     """docs/gpu.md's table gives each params file's dry-run total and memory; a change of the formulas or the
     params that moves them fails here until the docs follow."""
