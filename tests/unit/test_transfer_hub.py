@@ -244,3 +244,23 @@ def test_paper_params_run_06_on_the_hub_set():
     cfg = RunConfig.of(load_params(REPO_ROOT / "params" / "paper.yaml"))
     assert cfg.transfer.dataset == "hub" and cfg.transfer.n_boot == 2000
     assert {"llama-3.1-8b-instruct", "gemma-2-9b-it"} <= set(cfg.transfer.models)     # Table 6's models
+
+
+def test_notebook_06_reads_the_hub_set_the_way_its_stage_does(tmp_path, monkeypatch):
+    """Notebook 06's data cell under ``transfer.dataset: hub`` (params/paper.yaml) loads the imported set, as the
+    stage does; it read "hub" as a file name before ("hub: no such file"), so 06 stopped on every paper run."""
+    import pandas as pd
+
+    from memtoc.config.runconfig import RunConfig
+    from memtoc.core.project import REPO_ROOT
+    from memtoc.stages import transfer
+    from memtoc.stages.transfer import source
+    monkeypatch.setenv("MEMTOC_TRANSFER_DIR", str(tmp_path / "cache"))
+    source.load("hub", loader=hub.dir_loader(write_fixture(tmp_path / "hubdir")), progress=False)   # the import
+    nb = json.loads((REPO_ROOT / "notebooks" / "06_transfer.ipynb").read_text(encoding="utf-8"))
+    cell = next("".join(c["source"]) for c in nb["cells"]
+                if c["cell_type"] == "code" and "select_items" in "".join(c["source"]))
+    ns = {"transfer": transfer, "tr": RunConfig.of({"transfer": {"dataset": "hub"}}).transfer, "json": json,
+          "pd": pd, "display": lambda *a: None}
+    exec(compile(cell, "06_transfer.ipynb", "exec"), ns)
+    assert ns["info"]["dataset"] == "hub" and ns["cf_items"] and ns["un_items"]

@@ -42,6 +42,7 @@ from memtoc.stages.transfer.data import (
     write_items,
 )
 from memtoc.stages.transfer.hub import HUB_SOURCES, add_hub_arguments, import_hub, import_hub_cli
+from memtoc.stages.transfer.source import load as load_dataset
 from memtoc.stages.transfer.matcher import ABSTAIN, ChoiceMatch, match_choice, score_cli, score_lines, score_record
 from memtoc.stages.transfer.tables import forward_table, plot, published_table, rates_table, reverse_table
 
