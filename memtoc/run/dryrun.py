@@ -521,21 +521,16 @@ def plan_stages(cfg: RunConfig, only: Optional[list[str]] = None,
 
 
 def model_seconds(plans: list[StagePlan]) -> dict[str, float]:
-    """Each model's estimated seconds summed over the enabled stages: the work of one GPU when the models are
-    sharded one per GPU (docs/gpu.md, ``memtoc merge``)."""
+    """Each model's estimated seconds over the enabled stages: one GPU's work with one model per GPU."""
     out: dict[str, float] = {}
-    for p in plans:
-        if p.enabled:
-            for m in p.per_model:
-                if m.get("seconds") is not None:
-                    out[m["model"]] = out.get(m["model"], 0.0) + float(m["seconds"])
+    for m in (m for p in plans if p.enabled for m in p.per_model if m.get("seconds") is not None):
+        out[m["model"]] = out.get(m["model"], 0.0) + float(m["seconds"])
     return out
 
 
 def sharded_seconds(per_model: dict[str, float], gpus: int) -> float:
-    """Wall-clock seconds with ``gpus`` GPUs, each running whole models (one process per model, the longest
-    model first onto the least loaded GPU): the largest GPU's load. A model is not split over GPUs here
-    (that is ``tensor_parallel_size``)."""
+    """Wall-clock seconds on ``gpus`` GPUs running whole models (docs/gpu.md, ``memtoc merge``), the longest
+    model first onto the least loaded GPU: the largest GPU's load."""
     loads = [0.0] * max(1, int(gpus))
     for secs in sorted(per_model.values(), reverse=True):
         loads[loads.index(min(loads))] += secs
