@@ -189,9 +189,9 @@ def format_table(rows: list[StageRow]) -> list[str]:
     """The rows as aligned text lines: stage, status, seconds, peak GPU GiB, tokens/s, note."""
     def cell(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
-    out = [f"{'stage':<34} {'status':<7} {'seconds':>8} {'peak GiB':>9} {'tokens/s':>9}  note"]
+    out = [f"{'stage':<38} {'status':<7} {'seconds':>8} {'peak GiB':>9} {'tokens/s':>9}  note"]
     for r in rows:
-        out.append(f"{r.stage:<34} {r.status:<7} {cell(r.seconds, '8.1f')} {cell(r.peak_gpu_gib, '9.2f')} "
+        out.append(f"{r.stage:<38} {r.status:<7} {cell(r.seconds, '8.1f')} {cell(r.peak_gpu_gib, '9.2f')} "
                    f"{cell(r.tokens_per_s, '9.1f')}  {r.note}".rstrip())
     return out
 
