@@ -60,11 +60,15 @@ def _blank_models(block: dict[str, Any], quick: dict[str, Any]) -> dict[str, Any
 def quick_overrides(plan: dict[str, Any], output_root: str) -> dict[str, Any]:
     """The overrides that turn a plan into its tiny check: the embedded model in place of the plan's
     models (and judge), the plan's backend, dtype, backend and block settings otherwise kept, every
-    enabled stage still enabled, tiny sizes, a temporary output folder."""
+    enabled stage still enabled, tiny sizes, a temporary output folder; 05 in float32 (the embedded model
+    has no published lens to read, and a lens is fitted in float32 only)."""
     over: dict[str, Any] = {"run_name": "gpucheck-quick", "output_root": output_root, "models": [EMBEDDED]}
     for block in ("finetune", "transfer", "probes", "agent"):
         if (plan.get(block) or {}).get("enabled", True):
             over[block] = _blank_models(plan.get(block) or {}, QUICK[block])
+    if "probes" in over and (plan.get("probes") or {}).get("dtype", "float32") != "float32":
+        # the embedded model has no published lens, and a lens is fitted in float32 only
+        over["probes"]["dtype"] = "float32"
     over.update({k: v for k, v in QUICK.items() if not isinstance(v, dict)})
     if plan.get("judge"):
         over["judge"] = dict(plan["judge"], model=EMBEDDED)

@@ -123,6 +123,9 @@ def test_quick_plan_check_keeps_the_plan_and_shrinks_it(tmp_path):
     assert q["output_root"] == str(tmp_path) and q["run_name"] == "gpucheck-quick"
     steps = {s.number: s.run for s in pipeline.plan(q)}
     assert steps == {s.number: s.run for s in pipeline.plan(RunConfig.of(plan))}           # the same stages run
+    q40 = gpuquick.quick_config("params/paper-40gb.yaml", str(tmp_path))     # 05 in bfloat16 there: the
+    assert q40.probes.dtype == "float32" and q40.probes.models == (models.EMBEDDED,)   # embedded model fits its lens
+    assert q40.backend_options["gpu_memory_utilization"] <= 0.3
     q70 = gpuquick.quick_config("params/scale70b.yaml", str(tmp_path))
     assert {s.number for s in pipeline.plan(q70) if not s.run} >= {"04", "05", "06", "07"}
 
