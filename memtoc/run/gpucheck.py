@@ -379,7 +379,7 @@ def plan_check(plan: str, ft, device: Optional[str], keep: Optional[str], json_p
         finally:
             shutil.rmtree(work, ignore_errors=True)
         m = res.metrics
-        note = (f"{m.get('params_b')}B, batch {m.get('batch_size')} x {m.get('grad_accum')}, "
+        note = ((f"{m.get('params_b')}B params, " if cuda else "") + f"batch {m.get('batch_size')} x {m.get('grad_accum')}, "
                 f"checkpointing {m.get('gradient_checkpointing')}, {m.get('train_dtype')}, "
                 f"{m.get('seconds_per_step')} s/step" if m else res.detail)
         rows.append(StageRow(f"04 DPO step, plan's settings ({'8B' if cuda else 'tiny'})", res.status,

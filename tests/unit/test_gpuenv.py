@@ -369,7 +369,7 @@ def test_the_plan_check_trains_its_dpo_step_with_the_plans_own_settings(monkeypa
     assert seen["ft"]["batch_size"] == 4 and seen["ft"]["grad_accum"] == 2 and seen["ft"]["gradient_checkpointing"] is True
     assert seen["ft"]["train_dtype"] == "bfloat16" and seen["tiny"] is False and seen["device"] == "cuda"
     text = capsys.readouterr().out
-    assert "04 DPO step, plan's settings (8B)" in text and "31.20" in text and "batch 4 x 2" in text
+    assert "04 DPO step, plan's settings (8B)" in text and "31.20" in text and "8.03B params, batch 4 x 2" in text
     data = json.loads(out.read_text())
     assert data["passed"] is True and [r["stage"] for r in data["rows"]] == ["02_elicitation", "04 DPO step, plan's settings (8B)"]
     assert data["rows"][0]["tokens_per_s"] == 80.5 and "torch" in data["environment"]

@@ -401,6 +401,7 @@ def test_probes_models_and_dtype_are_checked():
         RunConfig.of({**run, "probes": {"dtype": "float16"}}).probes
     with pytest.raises(ConfigError, match=r"probes\.dtype.*needs a lens.*\['gemma-3-270m'\]"):
         RunConfig.of({**run, "probes": {"dtype": "bfloat16", "lens_files": {"smollm2-135m-instruct": "/x/lens.pt"}}}).probes
+    assert RunConfig.of({**run, "probes": {"dtype": "bfloat16", "enabled": False}}).probes.dtype == "bfloat16"
     ok = RunConfig.of({**run, "probes": {"dtype": "bfloat16", "models": ["smollm2-135m-instruct"],
                                          "lens_files": {"smollm2-135m-instruct": "/x/lens.pt"}}}).probes
     assert ok.dtype == "bfloat16"

@@ -96,7 +96,7 @@ class ProbesConfig(Block):
                            f"{run_models}, got {pr['models']!r}")
         if pr["dtype"] not in PROBE_DTYPES:
             fail("dtype", f"must be one of {', '.join(PROBE_DTYPES)}, got {pr['dtype']!r}")
-        if pr["dtype"] == "bfloat16":
+        if pr["dtype"] == "bfloat16" and pr["enabled"]:
             unfitted = [m for m in pr["models"] if not _lens_named(pr["lens_files"], m)]
             if unfitted:
                 fail("dtype", f"bfloat16 needs a lens for every probed model (the lens fit's backward passes need "
