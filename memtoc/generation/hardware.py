@@ -138,30 +138,31 @@ class LockChoice:
 
 def driver_version(run: Callable[..., Any] = subprocess.run) -> Optional[str]:
     """The NVIDIA driver version ``nvidia-smi`` reports (first GPU), or None without one."""
-    try:
-        r = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = (r.stdout or "").split() if r.returncode == 0 else []
-    return lines[0] if lines else None
+    return _smi_query("driver_version", run)
 
 
-def _smi_query(field: str, run: Callable[..., Any]) -> Optional[str]:
-    """One ``nvidia-smi --query-gpu`` field of the first visible GPU (``CUDA_VISIBLE_DEVICES``: an index or a
-    UUID; empty or -1: none visible), or None (no GPU, no nvidia-smi, or a driver without the field)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return None
+def _smi_query(field: str, run: Callable[..., Any], gpu: str = "") -> Optional[str]:
+    """One ``nvidia-smi --query-gpu`` field of GPU ``gpu`` (an index or a UUID; "": the first), or None (no
+    nvidia-smi, no GPU, or a driver without the field)."""
     cmd = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
-    if visible:
-        cmd.insert(1, "--id=" + visible.split(",")[0].strip())
+    if gpu:
+        cmd.insert(1, f"--id={gpu}")
     try:
         r = run(cmd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     out = (r.stdout or "").split() if r.returncode == 0 else []
     return out[0] if out else None
+
+
+def _first_visible_gpu() -> Optional[str]:
+    """The first GPU ``CUDA_VISIBLE_DEVICES`` names (an index or a UUID), "" when it is unset (the first
+    GPU), None when it hides every GPU (empty or -1)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ""
+    first = visible.split(",")[0].strip()
+    return None if first in ("", "-1") else first
 
 
 def gpu_capability(run: Callable[..., Any] = subprocess.run) -> Optional[tuple[int, int]]:
@@ -171,9 +172,10 @@ def gpu_capability(run: Callable[..., Any] = subprocess.run) -> Optional[tuple[i
     opens a CUDA context in the calling process (a notebook kernel), which then holds GPU memory beside
     vLLM's engine and forces vLLM to spawn its workers. Where ``nvidia-smi`` is missing or too old to
     report the capability (drivers before 510), torch answers instead."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", "x").strip() in ("", "-1"):
+    gpu = _first_visible_gpu()
+    if gpu is None:
         return None
-    value = _smi_query("compute_cap", run)
+    value = _smi_query("compute_cap", run, gpu)
     try:
         major, minor = str(value).split(".")
         return int(major), int(minor)
@@ -184,7 +186,8 @@ def gpu_capability(run: Callable[..., Any] = subprocess.run) -> Optional[tuple[i
 def gpu_memory_used_gib(run: Callable[..., Any] = subprocess.run) -> Optional[float]:
     """Memory in use on the first visible NVIDIA GPU, all processes together (GiB, from ``nvidia-smi``), or
     None without one: what a stage's notebook kernel and the engines it starts hold, read from outside."""
-    value = _smi_query("memory.used", run)
+    gpu = _first_visible_gpu()
+    value = _smi_query("memory.used", run, gpu) if gpu is not None else None
     try:
         return round(float(value) / 1024, 2) if value is not None else None
     except ValueError:
