@@ -33,7 +33,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from memtoc.config.blocks import FinetuneConfig
+from memtoc.config.blocks import FinetuneConfig, model_entry
 from memtoc.config.runconfig import RunConfig, expect_config
 from memtoc.core.errors import ConfigError
 from memtoc.core.vocab import BAND, PUBLISHED_LENS
@@ -339,7 +339,7 @@ def steering_plan(spec, pr) -> tuple[int, int, int]:
     by default) and the layers of its ``arms`` (``band``: the model's ``bands`` entry, else
     ``default_band_layers`` layers)."""
     def of(table):
-        return table.get(spec.name, table.get(spec.label))
+        return model_entry(table, spec.name, spec.label)
     singles = {("layer", int(l)) for l in (of(pr.sae_layers) or [])} or {("layer", "middle")}
     band = of(pr.bands)
     band_layers = {("layer", l) for l in range(int(band[0]), int(band[1]) + 1)} if band \
@@ -359,7 +359,7 @@ def probes_seconds(spec, pr, n_episodes: int) -> Optional[float]:
         return None
     n, d = spec.params_b * 1e9, _d_model(spec.params_b)
     rate = GPU_TFLOPS * 1e12 * MFU
-    given = pr.lens_files.get(spec.name, pr.lens_files.get(spec.label))   # a given lens is read, not fitted
+    given = model_entry(pr.lens_files, spec.name, spec.label)   # a given lens is read, not fitted
     fit = 0.0 if given else pr.lens_fit_prompts * d * 6 * n * pr.lens_max_seq_len / rate
     reads = n_episodes * 2 * n * PROMPT_TOKENS / rate
     n_dict, n_single, n_arms = steering_plan(spec, pr)
@@ -385,7 +385,7 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
         if w is not None:   # weights in probes.dtype + activations
             plan.gpu_gb = max(plan.gpu_gb or 0.0, spec.params_b * BYTES_PER_PARAM[pr.dtype] * 1.3)
         n_dict, n_single, n_arms = steering_plan(spec, pr)
-        lens = pr.lens_files.get(spec.name, pr.lens_files.get(spec.label))
+        lens = model_entry(pr.lens_files, spec.name, spec.label)
         rows.append((spec, 0, probes_seconds(spec, pr, n_eps),
                      f"lens {'fitted here' if not lens else lens if lens != PUBLISHED_LENS else 'published'}, "
                      f"{n_dict} dictionar{'y' if n_dict == 1 else 'ies'}, {n_single} single-layer + {n_arms} "

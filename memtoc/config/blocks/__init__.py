@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from memtoc.config.blocks.agent import AgentConfig
 from memtoc.config.blocks.base import Block
 from memtoc.config.blocks.finetune import EVAL_CONDITIONS, OBJECTIVES, FinetuneConfig, is_chat
-from memtoc.config.blocks.probes import ProbesConfig
+from memtoc.config.blocks.probes import ProbesConfig, model_entry
 from memtoc.config.blocks.transfer import CLOSED_BOOK_BAND, TransferConfig
 from memtoc.config.judge import JudgeConfig
 
@@ -29,4 +29,4 @@ def resolve_blocks(run: Mapping[str, Any], source: str = "<params>") -> dict[str
 
 
 __all__ = ["AgentConfig", "Block", "BLOCKS", "CLOSED_BOOK_BAND", "EVAL_CONDITIONS", "FinetuneConfig", "JudgeConfig",
-           "OBJECTIVES", "ProbesConfig", "TransferConfig", "is_chat", "resolve_blocks"]
+           "OBJECTIVES", "ProbesConfig", "TransferConfig", "is_chat", "model_entry", "resolve_blocks"]

@@ -124,11 +124,19 @@ class ProbesConfig(Block):
             fail(f"{where}.position", f"unknown position {arm.get('position')!r}; valid: {', '.join(POSITIONS)}")
 
 
+def model_entry(table: Mapping[str, Any], name: str, label: Optional[str] = None) -> Any:
+    """A per-model entry of the probes block (:data:`PER_MODEL`, ``dictionaries``): the one keyed by the
+    model's registry name, else by its label, else None."""
+    for key in (name, label):
+        if key is not None and key in table:
+            return table[key]
+    return None
+
+
 def _lens_named(lens_files: dict, model: str) -> bool:
     """Whether ``probes.lens_files`` names a lens for ``model`` (by registry name or label)."""
-    if lens_files.get(model):
-        return True
     try:
-        return bool(lens_files.get(get_model(model).label))
+        label = get_model(model).label
     except ModelError:
-        return False
+        label = None
+    return bool(model_entry(lens_files, model, label))

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from memtoc.config.blocks import ProbesConfig
+from memtoc.config.blocks import ProbesConfig, model_entry
 from memtoc.config.params import resolve_release_dir
 from memtoc.config.runconfig import RunConfig, RunPaths, expect_config
 from memtoc.core.errors import ConfigError, MemtocError
@@ -83,15 +83,8 @@ class ProbeError(MemtocError):
     """Missing inputs of notebooks 02/03, or an impossible probes configuration."""
 
 
-def _for_model(table: dict, name: str, label: str):
-    for k in (name, label):
-        if k in table:
-            return table[k]
-    return None
-
-
 def band_of(pr: ProbesConfig, lm: LoadedModel) -> list[int]:
-    b = _for_model(pr.bands, lm.name, lm.spec.label)
+    b = model_entry(pr.bands, lm.name, lm.spec.label)
     top = lm.n_layers - 2                       # source layers stop below the last layer
     if b is None:
         return list(range(max(0, top - pr.default_band_layers + 1), top + 1))
@@ -172,7 +165,7 @@ def run_lens(lm: LoadedModel, pr: ProbesConfig, rows: list[dict], run_dir: Path,
     downloaded once into ``cache_root``, default the model cache) or one fitted here."""
     t0 = time.time()
     band = band_of(pr, lm)
-    given = _for_model(pr.lens_files, lm.name, lm.spec.label)
+    given = model_entry(pr.lens_files, lm.name, lm.spec.label)
     if given:
         where = f"probes.lens_files.{lm.name}"
         given = LF.published(lm.spec, where) if given == PUBLISHED_LENS else given

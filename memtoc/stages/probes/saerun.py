@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from memtoc.config.blocks import model_entry
 from memtoc.config.runconfig import RunConfig, RunPaths
 from memtoc.core.errors import ConfigError
 from memtoc.core.records import arm_key
@@ -51,17 +52,10 @@ class Arm:
         return f"L{span}@{self.position}"
 
 
-def _for_model(table: dict, lm: LoadedModel):
-    for k in (lm.name, lm.spec.label):
-        if k in table:
-            return table[k]
-    return None
-
-
 def multi_arms(cfg: RunConfig, lm: LoadedModel, band: Sequence[int]) -> list[Arm]:
     """The model's multi-layer arms of ``probes.arms`` (``band``: every source layer of the band)."""
     out = []
-    for i, a in enumerate(_for_model(cfg.probes.arms, lm) or []):
+    for i, a in enumerate(model_entry(cfg.probes.arms, lm.name, lm.spec.label) or []):
         layers = tuple(band) if a["layers"] == BAND else tuple(sorted(int(l) for l in a["layers"]))
         bad = [l for l in layers if not 0 <= l < lm.n_layers]
         if bad:
@@ -124,7 +118,7 @@ def dictionaries(lm: LoadedModel, cfg: RunConfig, layers: Sequence[int], mine: l
     seq_train = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in train_eps]
     seq_train += [lm.encode_text(d, pr.sae_max_seq_len) for d in docs_fit[: pr.sae_corpus_texts]]
     seq_held = [lm.encode_prompt(r["prompt"])[: pr.sae_max_seq_len] for r in held_eps]
-    files = _for_model(pr.sae_files, lm) or {}
+    files = model_entry(pr.sae_files, lm.name, lm.spec.label) or {}
     out_layers: dict[str, Any] = {}
     saes: dict[int, tuple[D.SparseDictionary, str]] = {}
     for l in layers:
@@ -178,11 +172,11 @@ def run_sae(lm: LoadedModel, cfg: RunConfig, rows: list[dict], questions, run_di
         return {"layers": {}, "split": split_info, "mined_questions": len(mine_q), "timing": timing,
                 "steer": {"skipped": f"too few mining-set tool-wrong episodes ({len(mine)}) for an SAE with a "
                                      "held-out set; larger n_questions"}}
-    singles = [int(l) for l in (_for_model(pr.sae_layers, lm) or [band[len(band) // 2]])]
+    singles = [int(l) for l in (model_entry(pr.sae_layers, lm.name, lm.spec.label) or [band[len(band) // 2]])]
     arms = multi_arms(cfg, lm, band)
     needed = sorted(set(singles) | {l for a in arms for l in a.layers})
     out_layers, saes = dictionaries(lm, cfg, needed, mine, docs_fit, corpus_info, run_dir, timing)
-    named = _for_model(pr.dictionaries, lm)
+    named = model_entry(pr.dictionaries, lm.name, lm.spec.label)
     res: dict[str, Any] = {"layers": out_layers, "split": split_info, "mined_questions": len(mine_q),
                            "dictionary": {"paper": named, "used": {l: out_layers[str(l)]["source"] for l in needed},
                                           "note": ("probes.sae_files names local copies of released dictionaries "
