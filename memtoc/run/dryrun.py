@@ -69,7 +69,7 @@ def _quant(spec: models.ModelSpec, options: dict[str, Any], dtype: str) -> str:
     return dtype if dtype in BYTES_PER_PARAM else "auto"
 
 
-def _gpu_class(need_gb: float) -> Optional[int]:
+def gpu_class(need_gb: float) -> Optional[int]:
     return next((g for g in GPU_CLASSES_GB if need_gb <= g), None)
 
 
@@ -102,7 +102,7 @@ def estimate_model(spec: models.ModelSpec, backend: str, dtype: str, options: di
         need = (w / tp + KV_CACHE_GB) / util
     else:
         need = w * 1.2
-    return {"weights_gb": w, "gpu_gb": need, "gpu_class": _gpu_class(need), "quant": quant, "gpus": tp}
+    return {"weights_gb": w, "gpu_gb": need, "gpu_class": gpu_class(need), "quant": quant, "gpus": tp}
 
 
 def gen_seconds(n_requests: int, weights_gb: Optional[float], backend: str, max_new_tokens: int,
@@ -320,7 +320,7 @@ def estimate_finetuning(ctx: Context, step) -> StagePlan:
                              new_tokens(spec, ft["eval_backend"], p.max_new_tokens)) or 0.0
         act = ACT_GB_PER_TOKEN_PER_B * ft["batch_size"] * 2 * ft["max_length"] * pb / (4 if ft["gradient_checkpointing"] else 1)
         mem = pb * 2.0 + act
-        cls = _gpu_class(mem)
+        cls = gpu_class(mem)
         plan.gpu_gb = max(plan.gpu_gb or 0.0, mem)
         rows.append((spec, n_eval, t_train + t_eval,
                      f"training ~{_dur(t_train)}, evaluation ~{_dur(t_eval)} ({ft['eval_backend']}); DPO memory ~{mem:.0f} GB -> "
@@ -392,7 +392,7 @@ def estimate_probes(ctx: Context, step) -> StagePlan:
                      "multi-layer steering arm(s);"))
     plan = _per_model(plan, ctx, rows)
     if plan.gpu_gb:
-        gpu = _gpu_class(plan.gpu_gb)
+        gpu = gpu_class(plan.gpu_gb)
         plan.lines.append(f"      memory: the largest probed model in {pr.dtype} ~{plan.gpu_gb:.0f} GB -> "
                           + (f"{gpu} GB GPU" if gpu else "more than one GPU holds (probes.dtype: bfloat16 halves it)"))
     return plan
@@ -586,7 +586,7 @@ def dry_run(cfg: RunConfig, only: Optional[list[str]] = None, source: str = "<pa
             f"{n} GPUs ~{_dur(sharded_seconds(per, n))}" for n in range(2, len(per) + 1))
             + f" (the longest model: {max(per, key=per.get)}, ~{_dur(max(per.values()))})")
     need = max([(e["gpu_class"] or 0) for e in [*ctx.est.values(), *judge_est]]
-               + [_gpu_class(p.gpu_gb) or 0 for p in plans if p.enabled and p.gpu_gb], default=0)
+               + [gpu_class(p.gpu_gb) or 0 for p in plans if p.enabled and p.gpu_gb], default=0)
     if c.backend == "vllm":
         ft_how = ("; 04 trains with transformers and evaluates its adapters through vLLM's LoRA serving"
                   if c.finetune.eval_backend == "vllm" else "; 04 trains and evaluates with transformers")

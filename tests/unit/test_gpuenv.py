@@ -357,7 +357,7 @@ def test_the_plan_check_trains_its_dpo_step_with_the_plans_own_settings(monkeypa
         gpuquick.StageRow("02_elicitation", "PASS", 12.0, None, 80.5)]))
 
     def fake_dpo(device, tiny, tok, work, steps, ft=None):
-        seen.update(device=device, tiny=tiny, ft=gpucheck._settings(ft))
+        seen.update(device=device, tiny=tiny, ft=ft.to_dict())
         return gpucheck.CaseResult("dpo-step", "PASS", "", {"params_b": 8.03, "batch_size": ft["batch_size"],
                                    "grad_accum": ft["grad_accum"], "gradient_checkpointing": ft["gradient_checkpointing"],
                                    "train_dtype": "bfloat16", "seconds_per_step": 1.9, "peak_gpu_memory_gib": 31.2}, 9.0)

@@ -561,7 +561,7 @@ def test_the_gpu_docs_state_the_dry_runs_own_figures():
         assert round(plan["total_seconds"] / 3600, 1) == hours, (name, line)
         need = re.search(r"needs (\d+) GB", line)
         if need:
-            assert dryrun._gpu_class(plan["gpu_gb"]) == int(need.group(1)), (name, line)
+            assert dryrun.gpu_class(plan["gpu_gb"]) == int(need.group(1)), (name, line)
         seen.add(name)
     assert seen >= {"paper.yaml", "paper-40gb.yaml"}
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
